@@ -1,0 +1,45 @@
+# The README's two commands:
+#   make serve   install dependencies if missing, build, run the service's main job
+#   make test    install dependencies if missing, build, run the whole test suite
+BUILD ?= build
+JOBS ?= 2
+CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
+SOURCES := $(shell git ls-files '*.h' '*.cc' 2>/dev/null)
+
+.PHONY: all deps build test serve bench test-sanitize format check-format clean
+
+all: build
+
+deps:
+	@bash scripts/install-deps.sh
+
+build: deps
+	cmake -S . -B $(BUILD) $(CMAKE_FLAGS)
+	cmake --build $(BUILD) -j$(JOBS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
+
+# Until the gRPC server lands, the main job is the offline generator on the bundled example.
+serve: build
+	./$(BUILD)/llava-generate --image models/examples/shapes.png \
+	  --prompt "What is in the image?" --max-tokens 32 --stats
+
+bench: build
+	./$(BUILD)/llava-bench
+
+# Torch-free code under AddressSanitizer + UndefinedBehaviorSanitizer.
+test-sanitize: deps
+	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DLLAVA_SANITIZE=address,undefined \
+	  -DLLAVA_BUILD_BENCH=OFF
+	cmake --build $(BUILD)-asan -j$(JOBS) --target core_tests llava-make-tiny
+	cd $(BUILD)-asan && ctest --output-on-failure -R 'make_tiny|Safetensors|Config|Tokenizer|Sampler|ChatTemplate|ImageIo|StopStrings|Utf8'
+
+format:
+	clang-format -i $(SOURCES)
+
+check-format:
+	clang-format --dry-run --Werror $(SOURCES)
+
+clean:
+	rm -rf $(BUILD) $(BUILD)-asan

@@ -1,0 +1,74 @@
+// Loading a model folder and running one request end to end: validate, decode images, build
+// the prompt, prefill, decode token by token with sampling, stop strings and EOS, stream text.
+// The batching engine loop (server issue) reuses these steps for many requests at once.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/chat_template.h"
+#include "engine/image_io.h"
+#include "engine/kv_cache.h"
+#include "engine/sampler.h"
+#include "engine/status.h"
+#include "engine/tokenizer.h"
+
+namespace llava {
+
+class LlavaModel;
+struct ModelOptions;
+
+// A model folder, loaded: weights + tokenizer, checked against each other.
+struct LoadedModel {
+  std::unique_ptr<LlavaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+  ~LoadedModel();
+};
+StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir, const ModelOptions& options);
+
+struct GenerationRequest {
+  std::vector<ChatMessage> messages;
+  std::vector<std::string> images;  // encoded image bytes, referenced by ContentPart::image_index
+  SamplingParams sampling;
+};
+
+struct EngineLimits {
+  ImageLimits image;
+  PromptLimits prompt;
+  int max_tokens_limit = 4096;  // upper bound for sampling.max_tokens
+};
+
+enum class FinishReason { kStop, kLength, kCancelled, kError };
+const char* FinishReasonName(FinishReason r);
+
+struct GenerationResult {
+  std::string text;
+  std::vector<int> tokens;  // generated ids (EOS excluded)
+  FinishReason finish = FinishReason::kStop;
+  int prompt_tokens = 0;  // T, image rows included
+  int image_tokens = 0;
+  int completion_tokens = 0;
+  double vision_seconds = 0, ttft_seconds = 0, total_seconds = 0;
+  KvStats kv;
+};
+
+// Returns false to cancel generation.
+using TextCallback = std::function<bool(const std::string& delta)>;
+
+class Generator {
+ public:
+  // Borrows `loaded`; it must outlive the Generator.
+  Generator(const LoadedModel& loaded, EngineLimits limits) : m_(loaded), limits_(limits) {}
+
+  // Runs the whole request on the calling thread. Errors name the request field at fault;
+  // model failures (c10::Error) come back as INTERNAL, never as exceptions.
+  StatusOr<GenerationResult> Generate(const GenerationRequest& request, const TextCallback& on_text);
+
+ private:
+  const LoadedModel& m_;
+  EngineLimits limits_;
+};
+
+}  // namespace llava

@@ -1,0 +1,311 @@
+#include "engine/llava_model.h"
+
+#include <cmath>
+
+#include "engine/weights.h"
+
+namespace llava {
+namespace {
+
+constexpr int64_t kQueryBlock = 256;  // prefill attention processes queries in blocks of this
+
+at::ScalarType ScalarTypeOf(DType d) {
+  return d == DType::kF32 ? at::kFloat : d == DType::kF16 ? at::kHalf : at::kBFloat16;
+}
+
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// Loader helper: takes tensors under a prefix with shapes derived from the config.
+class Taker {
+ public:
+  Taker(CheckpointReader* r, const ModelOptions& o) : r_(r), o_(o) {}
+  Status Get(const std::string& name, std::vector<int64_t> shape, at::Tensor* out,
+             bool fp32 = false) {
+    return r_->Take(name, shape, fp32 ? DType::kF32 : o_.dtype, o_.device, out);
+  }
+  Status GetLinear(const std::string& name, int64_t out, int64_t in, bool bias, Linear* l) {
+    LLAVA_RETURN_IF_ERROR(Get(name + ".weight", {out, in}, &l->weight));
+    if (bias) LLAVA_RETURN_IF_ERROR(Get(name + ".bias", {out}, &l->bias));
+    return Status::Ok();
+  }
+  Status GetLayerNorm(const std::string& name, int64_t dim, double eps, LayerNorm* ln) {
+    ln->eps = eps;
+    LLAVA_RETURN_IF_ERROR(Get(name + ".weight", {dim}, &ln->weight, /*fp32=*/true));
+    return Get(name + ".bias", {dim}, &ln->bias, /*fp32=*/true);
+  }
+
+ private:
+  CheckpointReader* r_;
+  ModelOptions o_;
+};
+
+// Tensors a checkpoint legitimately holds that inference does not need.
+bool Ignorable(const std::string& name, const LlavaConfig& c) {
+  if (name.rfind("vision.post_layernorm.", 0) == 0) return true;
+  if (name == "vision.embeddings.position_ids") return true;
+  if (name.find("rotary_emb.inv_freq") != std::string::npos) return true;
+  static const std::string kVisionLayer = "vision.encoder.layers.";
+  if (name.rfind(kVisionLayer, 0) == 0) {
+    const int idx = std::atoi(name.c_str() + kVisionLayer.size());
+    return idx >= c.vision_layers_needed() && idx < c.vision.num_hidden_layers;
+  }
+  return false;
+}
+
+}  // namespace
+
+at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
+  return at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps).to(x.scalar_type());
+}
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
+  // angles [n, hd/2] -> cos/sin [n, 1, hd] broadcast over heads
+  at::Tensor angles = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
+  at::Tensor emb = at::cat({angles, angles}, -1).unsqueeze(1);
+  at::Tensor xf = x.to(at::kFloat);
+  return (xf * emb.cos() + RotateHalf(xf) * emb.sin()).to(x.scalar_type());
+}
+
+LlavaModel::~LlavaModel() = default;
+
+at::TensorOptions LlavaModel::tensor_options() const {
+  return at::TensorOptions().dtype(ScalarTypeOf(options_.dtype)).device(at::Device(options_.device));
+}
+
+KvLayout LlavaModel::kv_layout() const {
+  KvLayout l;
+  l.num_layers = config_.text.num_hidden_layers;
+  l.kv_heads = config_.text.num_key_value_heads;
+  l.head_dim = config_.text.head_dim;
+  l.dtype_bytes = static_cast<int>(DTypeSize(options_.dtype));
+  return l;
+}
+
+StatusOr<std::unique_ptr<LlavaModel>> LlavaModel::Load(const std::string& dir,
+                                                       const ModelOptions& options) {
+  std::unique_ptr<LlavaModel> m(new LlavaModel());
+  m->options_ = options;
+  LLAVA_ASSIGN_OR_RETURN(m->config_, LoadLlavaConfig(dir));
+  if (options.device != "cpu") {
+    try {
+      at::Device dev(options.device);
+      if (dev.is_cuda() && !at::hasCUDA()) {
+        return FailedPrecondition("device '" + options.device +
+                                  "' requested but this libtorch has no CUDA support or no GPU");
+      }
+    } catch (const c10::Error&) {
+      return InvalidArgument("device '" + options.device + "' is not a valid device name");
+    }
+  }
+  LLAVA_ASSIGN_OR_RETURN(m->reader_, CheckpointReader::Open(dir));
+  try {
+    LLAVA_RETURN_IF_ERROR(m->LoadWeights(m->reader_.get()));
+  } catch (const c10::Error& e) {
+    return Internal(dir + ": loading weights failed: " + e.what_without_backtrace());
+  }
+  return m;
+}
+
+Status LlavaModel::LoadWeights(CheckpointReader* reader) {
+  const TextConfig& t = config_.text;
+  const VisionConfig& v = config_.vision;
+  Taker take(reader, options_);
+
+  const int64_t dv = v.hidden_size, n_pos = v.num_patches() + 1;
+  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.patch_embedding.weight",
+                                 {dv, 3, v.patch_size, v.patch_size}, &patch_embedding_));
+  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.class_embedding", {dv}, &class_embedding_));
+  LLAVA_RETURN_IF_ERROR(
+      take.Get("vision.embeddings.position_embedding.weight", {n_pos, dv}, &position_embedding_));
+  LLAVA_RETURN_IF_ERROR(
+      take.GetLayerNorm("vision.pre_layrnorm", dv, v.layer_norm_eps, &pre_layernorm_));
+  clip_layers_.resize(config_.vision_layers_needed());
+  for (size_t i = 0; i < clip_layers_.size(); ++i) {
+    const std::string p = "vision.encoder.layers." + std::to_string(i);
+    ClipLayer& l = clip_layers_[i];
+    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm1", dv, v.layer_norm_eps, &l.ln1));
+    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm2", dv, v.layer_norm_eps, &l.ln2));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.q_proj", dv, dv, true, &l.q));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.k_proj", dv, dv, true, &l.k));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.v_proj", dv, dv, true, &l.v));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.out_proj", dv, dv, true, &l.out));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc1", v.intermediate_size, dv, true, &l.fc1));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc2", dv, v.intermediate_size, true, &l.fc2));
+  }
+
+  const int64_t d = t.hidden_size, hd = t.head_dim;
+  const bool pb = config_.multimodal_projector_bias;
+  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_1", d, dv, pb, &proj1_));
+  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_2", d, d, pb, &proj2_));
+
+  LLAVA_RETURN_IF_ERROR(take.Get("lm.embed_tokens.weight", {t.vocab_size, d}, &embed_tokens_));
+  layers_.resize(t.num_hidden_layers);
+  for (int i = 0; i < t.num_hidden_layers; ++i) {
+    const std::string p = "lm.layers." + std::to_string(i);
+    LlamaLayer& l = layers_[i];
+    const bool ab = t.attention_bias;
+    LLAVA_RETURN_IF_ERROR(take.Get(p + ".input_layernorm.weight", {d}, &l.input_norm));
+    LLAVA_RETURN_IF_ERROR(take.Get(p + ".post_attention_layernorm.weight", {d}, &l.post_norm));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".self_attn.q_proj", t.num_attention_heads * hd, d, ab, &l.q));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".self_attn.k_proj", t.num_key_value_heads * hd, d, ab, &l.k));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".self_attn.v_proj", t.num_key_value_heads * hd, d, ab, &l.v));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".self_attn.o_proj", d, t.num_attention_heads * hd, ab, &l.o));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.gate_proj", t.intermediate_size, d, false, &l.gate));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.up_proj", t.intermediate_size, d, false, &l.up));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.down_proj", d, t.intermediate_size, false, &l.down));
+  }
+  LLAVA_RETURN_IF_ERROR(take.Get("lm.norm.weight", {d}, &final_norm_));
+  if (t.tie_word_embeddings && reader->Find("lm_head.weight") == nullptr) {
+    lm_head_ = embed_tokens_;
+  } else {
+    LLAVA_RETURN_IF_ERROR(take.Get("lm_head.weight", {t.vocab_size, d}, &lm_head_));
+  }
+  inv_freq_ = at::pow(t.rope_theta, at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd))
+                  .reciprocal()
+                  .to(at::kFloat)
+                  .to(at::Device(options_.device));
+
+  const LlavaConfig& cfg = config_;
+  return reader->CheckAllTaken([&cfg](const std::string& name) { return Ignorable(name, cfg); });
+}
+
+at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
+  const VisionConfig& v = config_.vision;
+  const int64_t b = pixel_values.size(0), dv = v.hidden_size, heads = v.num_attention_heads;
+  const int64_t hd = dv / heads;
+  at::Tensor px = pixel_values.to(tensor_options());
+  // [B, Dv, g, g] -> [B, N, Dv]
+  at::Tensor x = at::conv2d(px, patch_embedding_, {}, v.patch_size).flatten(2).transpose(1, 2);
+  x = at::cat({class_embedding_.view({1, 1, dv}).expand({b, 1, dv}), x}, 1) + position_embedding_;
+  x = pre_layernorm_(x);  // [B, N+1, Dv]
+  const int64_t s = x.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  for (const ClipLayer& l : clip_layers_) {
+    at::Tensor h = l.ln1(x);
+    auto heads_view = [&](const at::Tensor& t) { return t.view({b, s, heads, hd}).transpose(1, 2); };
+    at::Tensor q = heads_view(l.q(h) * scale), k = heads_view(l.k(h)), vv = heads_view(l.v(h));
+    at::Tensor probs = at::softmax(at::matmul(q, k.transpose(-1, -2)), -1, at::kFloat);
+    at::Tensor attn = at::matmul(probs.to(x.scalar_type()), vv).transpose(1, 2).reshape({b, s, dv});
+    x = x + l.out(attn);
+    h = l.fc1(l.ln2(x));
+    h = v.hidden_act == "quick_gelu" ? h * at::sigmoid(1.702 * h) : at::gelu(h);
+    x = x + l.fc2(h);
+  }
+  if (config_.vision_feature_select_strategy == "default") x = x.narrow(1, 1, s - 1);
+  return proj2_(at::gelu(proj1_(x)));  // [B, N, D]
+}
+
+at::Tensor LlavaModel::Embed(const at::Tensor& ids) const {
+  return at::embedding(embed_tokens_, ids.to(at::Device(options_.device)));
+}
+
+at::Tensor LlavaModel::EmbedPrompt(const std::vector<int>& ids,
+                                   const std::vector<int>& image_offsets,
+                                   const at::Tensor& image_features) const {
+  std::vector<int64_t> ids64(ids.begin(), ids.end());
+  const int64_t n_img = config_.image_tokens();
+  for (int off : image_offsets) {
+    for (int64_t i = off; i < off + n_img; ++i) ids64[i] = 0;  // placeholder row, overwritten
+  }
+  at::Tensor x = Embed(at::tensor(ids64, at::kLong));  // [T, D]
+  for (size_t i = 0; i < image_offsets.size(); ++i) {
+    x.narrow(0, image_offsets[i], n_img).copy_(image_features[static_cast<int64_t>(i)]);
+  }
+  return x;
+}
+
+at::Tensor LlavaModel::Attention(const at::Tensor& q, const at::Tensor& k_new,
+                                 const at::Tensor& v_new, int layer, KvCache* cache) const {
+  // q [n, H, hd], k_new/v_new [n, Hkv, hd] (rotated) -> out [n, H*hd]
+  const int64_t n = q.size(0), h = q.size(1), hd = q.size(2), hkv = k_new.size(1), g = h / hkv;
+  cache->Append(layer, k_new.transpose(0, 1), v_new.transpose(0, 1));
+  const at::Tensor keys = cache->Keys(layer);    // [Hkv, L, hd]
+  const at::Tensor values = cache->Values(layer);  // [Hkv, L, hd]
+  const int64_t len = keys.size(1);
+  const bool want_probs = cache->WantsAttentionProbs(layer);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+
+  // Query heads sharing a KV head are stacked: [Hkv, G, n, hd].
+  at::Tensor q4 = q.permute({1, 0, 2}).reshape({hkv, g, n, hd});
+  at::Tensor keys_t = keys.transpose(1, 2);  // [Hkv, hd, L]
+  std::vector<at::Tensor> outs, probs_all;
+  for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) {
+    const int64_t bn = std::min(kQueryBlock, n - i0);
+    at::Tensor qb = q4.narrow(2, i0, bn).reshape({hkv, g * bn, hd});
+    at::Tensor scores = at::matmul(qb, keys_t).mul_(scale).view({hkv, g, bn, len});
+    if (n > 1) {
+      // Row i0+r sits at cache index len-n+i0+r and may see keys up to there.
+      at::Tensor rows = at::arange(i0, i0 + bn, at::kLong).unsqueeze(1) + (len - n);
+      at::Tensor cols = at::arange(len, at::kLong).unsqueeze(0);
+      at::Tensor masked = (cols > rows).to(scores.device());  // [bn, L]
+      scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
+    }
+    at::Tensor probs = at::softmax(scores, -1, at::kFloat);  // [Hkv, G, bn, L]
+    if (want_probs) probs_all.push_back(probs.view({h, bn, len}));
+    outs.push_back(at::matmul(probs.to(values.scalar_type()).view({hkv, g * bn, len}), values)
+                       .view({hkv, g, bn, hd}));
+  }
+  if (want_probs) cache->ObserveAttention(layer, probs_all.size() == 1 ? probs_all[0] : at::cat(probs_all, 1));
+  at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 2);  // [Hkv, G, n, hd]
+  return out.reshape({h, n, hd}).transpose(0, 1).reshape({n, h * hd});
+}
+
+at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
+  const TextConfig& t = config_.text;
+  const int64_t nh = t.num_attention_heads, nkv = t.num_key_value_heads, hd = t.head_dim;
+  std::vector<at::Tensor> embeds, positions;
+  std::vector<int64_t> offsets, logit_rows;
+  int64_t total = 0;
+  for (const SequenceChunk& c : chunks) {
+    const int64_t n = c.embeds.size(0);
+    embeds.push_back(c.embeds);
+    positions.push_back(at::arange(c.start_position, c.start_position + n, at::kLong));
+    offsets.push_back(total);
+    if (c.all_logits) {
+      for (int64_t i = 0; i < n; ++i) logit_rows.push_back(total + i);
+    } else {
+      logit_rows.push_back(total + n - 1);
+    }
+    total += n;
+  }
+  const at::Device dev(options_.device);
+  at::Tensor x = embeds.size() == 1 ? embeds[0] : at::cat(embeds, 0);      // [N, D]
+  at::Tensor pos = (positions.size() == 1 ? positions[0] : at::cat(positions, 0)).to(dev);  // [N]
+
+  for (int li = 0; li < t.num_hidden_layers; ++li) {
+    const LlamaLayer& l = layers_[li];
+    at::Tensor hn = RmsNorm(x, l.input_norm, t.rms_norm_eps);
+    at::Tensor q = ApplyRotary(l.q(hn).view({total, nh, hd}), pos, inv_freq_);   // [N, H, hd]
+    at::Tensor k = ApplyRotary(l.k(hn).view({total, nkv, hd}), pos, inv_freq_);  // [N, Hkv, hd]
+    at::Tensor v = l.v(hn).view({total, nkv, hd});                                // [N, Hkv, hd]
+    std::vector<at::Tensor> attn;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const int64_t n = chunks[c].embeds.size(0);
+      attn.push_back(Attention(q.narrow(0, offsets[c], n), k.narrow(0, offsets[c], n),
+                               v.narrow(0, offsets[c], n), li, chunks[c].cache));
+    }
+    x = x + l.o(attn.size() == 1 ? attn[0] : at::cat(attn, 0));
+    hn = RmsNorm(x, l.post_norm, t.rms_norm_eps);
+    x = x + l.down(at::silu(l.gate(hn)) * l.up(hn));
+  }
+  for (const SequenceChunk& c : chunks) c.cache->OnForwardDone(c.embeds.size(0));
+
+  at::Tensor rows = at::tensor(logit_rows, at::kLong).to(dev);
+  at::Tensor last = RmsNorm(x.index_select(0, rows), final_norm_, t.rms_norm_eps);
+  return at::linear(last, lm_head_).to(at::kFloat);  // [rows, V]
+}
+
+}  // namespace llava

@@ -1,0 +1,125 @@
+// LLaVA: CLIP vision tower -> two-layer projector -> LLaMA decoder, on libtorch (ATen ops).
+//
+// forward() reads in the order of the papers; shapes are written where tensors are declared.
+// Notation: D = text hidden size, Dv = vision hidden size, H = attention heads, Hkv = KV heads,
+// hd = head dim, V = vocab, N = image tokens per image.
+//
+// Thread safety: weights are immutable after Load(); Forward() mutates only the KvCaches it is
+// given, so one engine thread drives it (the engine loop owns all caches).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/kv_cache.h"
+#include "engine/model_config.h"
+#include "engine/safetensors.h"
+#include "engine/status.h"
+
+namespace llava {
+
+class CheckpointReader;
+
+struct ModelOptions {
+  DType dtype = DType::kBF16;  // weights and activations; kF32 for reference numerics
+  std::string device = "cpu";  // "cpu" or "cuda[:i]" (when built against a CUDA libtorch)
+};
+
+struct Linear {
+  at::Tensor weight;  // [out, in]
+  at::Tensor bias;    // [out] or undefined
+  at::Tensor operator()(const at::Tensor& x) const { return at::linear(x, weight, bias); }
+};
+
+struct LayerNorm {
+  at::Tensor weight, bias;  // [dim]
+  double eps = 1e-5;
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+
+struct ClipLayer {
+  LayerNorm ln1, ln2;
+  Linear q, k, v, out;  // [Dv, Dv] with bias
+  Linear fc1, fc2;      // [Dff, Dv], [Dv, Dff]
+};
+
+struct LlamaLayer {
+  at::Tensor input_norm;  // [D]
+  at::Tensor post_norm;   // [D]
+  Linear q;               // [H*hd, D]
+  Linear k, v;            // [Hkv*hd, D]
+  Linear o;               // [D, H*hd]
+  Linear gate, up;        // [F, D]
+  Linear down;            // [D, F]
+};
+
+// One sequence's share of a decoder forward pass.
+struct SequenceChunk {
+  at::Tensor embeds;           // [n, D] input rows (token embeddings or image features)
+  int64_t start_position = 0;  // rotary position of row 0; rows are consecutive
+  KvCache* cache = nullptr;    // receives the n new K/V rows per layer; not owned
+  bool all_logits = false;     // logits for every row (true) or only the last (false)
+};
+
+class LlavaModel {
+ public:
+  static StatusOr<std::unique_ptr<LlavaModel>> Load(const std::string& dir,
+                                                    const ModelOptions& options);
+  ~LlavaModel();
+
+  const LlavaConfig& config() const { return config_; }
+  const ModelOptions& options() const { return options_; }
+  at::TensorOptions tensor_options() const;
+  KvLayout kv_layout() const;
+  std::unique_ptr<KvCache> NewFullCache() const { return NewFullKvCache(kv_layout()); }
+
+  // pixel_values [B, 3, S, S] float (preprocessed) -> projected features [B, N, D] (model dtype).
+  at::Tensor EncodeImages(const at::Tensor& pixel_values) const;
+  // ids [T] int64 -> [T, D]
+  at::Tensor Embed(const at::Tensor& ids) const;
+  // Prompt embeddings: text rows from `ids` [T], image rows from `image_features` [B, N, D]
+  // at `image_offsets` (B entries).
+  at::Tensor EmbedPrompt(const std::vector<int>& ids, const std::vector<int>& image_offsets,
+                         const at::Tensor& image_features) const;
+
+  // Runs the decoder over several sequences at once: linear layers on all rows together,
+  // attention per sequence against its own cache (caches are ragged). Appends each chunk's K/V
+  // to its cache and calls cache->OnForwardDone(n). Returns fp32 logits, one row per chunk
+  // (or n rows for chunks with all_logits), in chunk order: [rows, V].
+  at::Tensor Forward(const std::vector<SequenceChunk>& chunks) const;
+
+ private:
+  LlavaModel() = default;
+  Status LoadWeights(CheckpointReader* reader);
+  at::Tensor Attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                       int layer, KvCache* cache) const;
+
+  LlavaConfig config_;
+  ModelOptions options_;
+  std::unique_ptr<CheckpointReader> reader_;  // keeps aliased weight mappings alive
+
+  // Vision tower
+  at::Tensor patch_embedding_;     // [Dv, 3, P, P]
+  at::Tensor class_embedding_;     // [Dv]
+  at::Tensor position_embedding_;  // [N+1, Dv]
+  LayerNorm pre_layernorm_;
+  std::vector<ClipLayer> clip_layers_;  // only the layers the feature layer needs
+  // Projector
+  Linear proj1_, proj2_;  // [D, Dv], [D, D]
+  // Decoder
+  at::Tensor embed_tokens_;  // [V, D]
+  std::vector<LlamaLayer> layers_;
+  at::Tensor final_norm_;  // [D]
+  at::Tensor lm_head_;     // [V, D] (aliases embed_tokens_ when tied)
+  at::Tensor inv_freq_;    // [hd/2] fp32 rotary frequencies
+};
+
+// Rotary embedding (rotate-half form, as HF LLaMA): x [n, heads, hd], positions [n] int64.
+at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq);
+// RMSNorm computed in fp32, result in x's dtype times weight: x [.., D], weight [D].
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+}  // namespace llava

@@ -1,0 +1,59 @@
+// A llava-hf checkpoint folder: tensor lookup under canonical names, shape checks, dtype
+// conversion, and the "every tensor used exactly once" check.
+//
+// Files: `model.safetensors`, or shards listed in `model.safetensors.index.json`, or (without
+// an index) every `*.safetensors` in the folder.
+// Canonical names (both llava-hf generations map onto them):
+//   lm.<...>          language_model.model.<...>          | model.language_model.<...>
+//   lm_head.weight    language_model.lm_head.weight       | lm_head.weight
+//   vision.<...>      vision_tower.vision_model.<...>     | model.vision_tower.vision_model.<...>
+//   projector.<...>   multi_modal_projector.<...>         | model.multi_modal_projector.<...>
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/safetensors.h"
+#include "engine/status.h"
+
+namespace at {
+class Tensor;
+}
+
+namespace llava {
+
+// Maps a checkpoint tensor name to its canonical name; error for names of neither generation.
+StatusOr<std::string> CanonicalTensorName(const std::string& name);
+
+class CheckpointReader {
+ public:
+  static StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir);
+
+  // nullptr when absent.
+  const TensorInfo* Find(const std::string& canonical) const;
+
+  // Loads tensor `canonical`, which must have `shape`, as `dtype` on `device` ("cpu",
+  // "cuda", "cuda:1"). When the stored dtype already matches and the device is the CPU, the
+  // tensor aliases the memory mapping (no copy); the reader must then outlive the tensor.
+  Status Take(const std::string& canonical, const std::vector<int64_t>& shape, DType dtype,
+              const std::string& device, at::Tensor* out);
+
+  // Fails, naming them, if tensors remain that were never taken and `ignorable` rejects.
+  Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const;
+
+  const std::string& dir() const { return dir_; }
+
+ private:
+  CheckpointReader() = default;
+  std::string dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::unordered_map<std::string, const TensorInfo*> tensors_;  // canonical -> info
+  std::unordered_map<std::string, std::string> original_names_;
+  std::set<std::string> taken_;
+};
+
+}  // namespace llava

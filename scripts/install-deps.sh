@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything the build, the tests and `make serve` need on a fresh Debian 12.
+# Idempotent: packages already present are skipped by apt-get; safe to run repeatedly.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake pkg-config git ca-certificates
+  # engine
+  libtorch-dev libopenblas-dev        # OpenBLAS replaces reference BLAS for libtorch's fp32 GEMM
+  libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
+  libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev
+  # API / server / metrics
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  prometheus-cpp-dev
+  # tests and benchmarks
+  libgtest-dev libgmock-dev libbenchmark-dev
+  sentencepiece                       # spm_train / spm_encode, run as separate processes only
+  clang-format
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+echo "install-deps: installing ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,94 @@
+#include "engine/safetensors.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "tests/test_util.h"
+
+namespace llava {
+namespace {
+
+using ::llava::testing::WriteFile;
+
+std::string TmpPath(const std::string& name) { return ::testing::TempDir() + "/" + name; }
+
+// Raw file: header length, header JSON, data bytes.
+std::string RawFile(const std::string& header, size_t data_bytes) {
+  std::string s(8, '\0');
+  uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>(n >> (8 * i));
+  return s + header + std::string(data_bytes, '\x01');
+}
+
+TEST(Safetensors, RoundTripsTensorsAndMetadata) {
+  const float a[6] = {1, 2, 3, 4, 5, 6};
+  const uint16_t b[3] = {0x3F80, 0x4000, 0xC040};  // bf16 1, 2, -3
+  const std::string path = TmpPath("rt.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"a", DType::kF32, {2, 3}, a}, {"b", DType::kBF16, {3}, b}},
+                               {{"format", "pt"}})
+                  .ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const TensorInfo* ta = (*f)->Find("a");
+  ASSERT_NE(ta, nullptr);
+  EXPECT_EQ(ta->dtype, DType::kF32);
+  EXPECT_EQ(ta->shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(std::memcmp(ta->data, a, sizeof(a)), 0);
+  const TensorInfo* tb = (*f)->Find("b");
+  ASSERT_NE(tb, nullptr);
+  EXPECT_EQ(tb->nbytes, 6u);
+  EXPECT_EQ(std::memcmp(tb->data, b, sizeof(b)), 0);
+  EXPECT_EQ((*f)->metadata().at("format"), "pt");
+  EXPECT_EQ((*f)->Find("c"), nullptr);
+}
+
+struct BadCase {
+  const char* name;
+  std::string file;
+  StatusCode code;
+  const char* message_part;
+};
+
+TEST(Safetensors, RejectsMalformedFilesWithClearMessages) {
+  const std::vector<BadCase> cases = {
+      {"tiny", "abc", StatusCode::kDataLoss, "truncated"},
+      {"header_past_end", RawFile(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4).substr(0, 30),
+       StatusCode::kDataLoss, "header needs"},
+      {"not_json", RawFile("{not json", 0), StatusCode::kDataLoss, "not a JSON object"},
+      {"bad_dtype", RawFile(R"({"w":{"dtype":"I8","shape":[4],"data_offsets":[0,4]}})", 4),
+       StatusCode::kInvalidArgument, "tensor 'w': unsupported dtype"},
+      {"size_mismatch", RawFile(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", 4),
+       StatusCode::kDataLoss, "tensor 'w': 4 bytes for shape [2]"},
+      {"truncated_data", RawFile(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8),
+       StatusCode::kDataLoss, "truncated file"},
+      {"overlap",
+       RawFile(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
+       StatusCode::kDataLoss, "overlap"},
+      {"negative_shape", RawFile(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4),
+       StatusCode::kDataLoss, "bad shape"},
+      {"missing_fields", RawFile(R"({"w":{"dtype":"F32"}})", 0), StatusCode::kDataLoss,
+       "needs dtype, shape and data_offsets"},
+      {"huge_header_len", std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) + "{}",
+       StatusCode::kDataLoss, "implausible"},
+  };
+  for (const auto& c : cases) {
+    const std::string path = TmpPath(std::string(c.name) + ".safetensors");
+    WriteFile(path, c.file);
+    auto f = SafetensorsFile::Open(path);
+    ASSERT_FALSE(f.ok()) << c.name;
+    EXPECT_EQ(f.status().code(), c.code) << c.name << ": " << f.status().ToString();
+    EXPECT_NE(f.status().message().find(c.message_part), std::string::npos)
+        << c.name << ": " << f.status().message();
+    EXPECT_NE(f.status().message().find(path), std::string::npos) << "names the file";
+  }
+}
+
+TEST(Safetensors, MissingFileIsNotFound) {
+  auto f = SafetensorsFile::Open(TmpPath("does-not-exist.safetensors"));
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace llava

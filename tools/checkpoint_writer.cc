@@ -1,0 +1,187 @@
+#include "tools/checkpoint_writer.h"
+
+#include <sys/stat.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "engine/safetensors.h"
+
+namespace llava {
+
+std::string CheckpointTensorName(const std::string& canonical, TensorNaming naming) {
+  const bool old = naming == TensorNaming::kOld;
+  auto replace = [&](const std::string& prefix, const std::string& with) {
+    return with + canonical.substr(prefix.size());
+  };
+  if (canonical.rfind("lm.", 0) == 0) {
+    return replace("lm.", old ? "language_model.model." : "model.language_model.");
+  }
+  if (canonical.rfind("lm_head.", 0) == 0) {
+    return old ? "language_model." + canonical : canonical;
+  }
+  if (canonical.rfind("vision.", 0) == 0) {
+    return replace("vision.", old ? "vision_tower.vision_model." : "model.vision_tower.vision_model.");
+  }
+  if (canonical.rfind("projector.", 0) == 0) {
+    return replace("projector.", old ? "multi_modal_projector." : "model.multi_modal_projector.");
+  }
+  return canonical;
+}
+
+std::string LlavaConfigJson(const LlavaConfig& c) {
+  nlohmann::ordered_json j;
+  j["architectures"] = {"LlavaForConditionalGeneration"};
+  j["model_type"] = "llava";
+  j["image_token_index"] = c.image_token_index;
+  j["projector_hidden_act"] = c.projector_hidden_act;
+  j["vision_feature_layer"] = c.vision_feature_layer;
+  j["vision_feature_select_strategy"] = c.vision_feature_select_strategy;
+  j["tie_word_embeddings"] = c.text.tie_word_embeddings;
+  const TextConfig& t = c.text;
+  j["text_config"] = {{"model_type", "llama"},
+                      {"hidden_size", t.hidden_size},
+                      {"intermediate_size", t.intermediate_size},
+                      {"num_hidden_layers", t.num_hidden_layers},
+                      {"num_attention_heads", t.num_attention_heads},
+                      {"num_key_value_heads", t.num_key_value_heads},
+                      {"vocab_size", t.vocab_size},
+                      {"max_position_embeddings", t.max_position_embeddings},
+                      {"rms_norm_eps", t.rms_norm_eps},
+                      {"rope_theta", t.rope_theta},
+                      {"tie_word_embeddings", t.tie_word_embeddings},
+                      {"bos_token_id", t.bos_token_id},
+                      {"eos_token_id", t.eos_token_id}};
+  const VisionConfig& v = c.vision;
+  j["vision_config"] = {{"model_type", "clip_vision_model"},
+                        {"hidden_size", v.hidden_size},
+                        {"intermediate_size", v.intermediate_size},
+                        {"num_hidden_layers", v.num_hidden_layers},
+                        {"num_attention_heads", v.num_attention_heads},
+                        {"image_size", v.image_size},
+                        {"patch_size", v.patch_size},
+                        {"layer_norm_eps", v.layer_norm_eps},
+                        {"hidden_act", v.hidden_act}};
+  return j.dump(2) + "\n";
+}
+
+std::string PreprocessorConfigJson(const LlavaConfig& c) {
+  const ImageProcessorConfig& p = c.image_processor;
+  nlohmann::ordered_json j;
+  j["image_processor_type"] = "CLIPImageProcessor";
+  j["do_resize"] = true;
+  j["size"] = {{"shortest_edge", p.shortest_edge}};
+  j["resample"] = 3;
+  j["do_center_crop"] = p.do_center_crop;
+  j["crop_size"] = {{"height", p.crop_height}, {"width", p.crop_width}};
+  j["do_rescale"] = true;
+  j["rescale_factor"] = p.rescale_factor;
+  j["do_normalize"] = true;
+  j["image_mean"] = p.image_mean;
+  j["image_std"] = p.image_std;
+  j["do_convert_rgb"] = true;
+  return j.dump(2) + "\n";
+}
+
+Status WriteLlavaCheckpoint(const std::string& dir, const LlavaConfig& config,
+                            const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                            TensorNaming naming, int shards) {
+  ::mkdir(dir.c_str(), 0755);
+  {
+    std::ofstream(dir + "/config.json") << LlavaConfigJson(config);
+    std::ofstream(dir + "/preprocessor_config.json") << PreprocessorConfigJson(config);
+  }
+  shards = std::max(1, std::min<int>(shards, static_cast<int>(tensors.size())));
+  std::vector<at::Tensor> keep;  // contiguous CPU copies alive until written
+  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  const size_t per_shard = (tensors.size() + shards - 1) / shards;
+  for (int s = 0; s < shards; ++s) {
+    const std::string file =
+        shards == 1 ? "model.safetensors"
+                    : "model-" + std::to_string(100001 + s).substr(1) + "-of-" +
+                          std::to_string(100000 + shards).substr(1) + ".safetensors";
+    std::vector<TensorToWrite> out;
+    for (size_t i = s * per_shard; i < std::min(tensors.size(), (s + 1) * per_shard); ++i) {
+      at::Tensor t = tensors[i].second.contiguous().cpu();
+      keep.push_back(t);
+      DType d;
+      switch (t.scalar_type()) {
+        case at::kFloat: d = DType::kF32; break;
+        case at::kHalf: d = DType::kF16; break;
+        case at::kBFloat16: d = DType::kBF16; break;
+        default: return InvalidArgument("tensor " + tensors[i].first + ": unsupported dtype");
+      }
+      const std::string name = CheckpointTensorName(tensors[i].first, naming);
+      out.push_back({name, d, t.sizes().vec(), t.data_ptr()});
+      weight_map[name] = file;
+    }
+    LLAVA_RETURN_IF_ERROR(WriteSafetensors(dir + "/" + file, out, {{"format", "pt"}}));
+  }
+  if (shards > 1) {
+    nlohmann::ordered_json index;
+    index["metadata"] = nlohmann::ordered_json::object();
+    index["weight_map"] = weight_map;
+    std::ofstream(dir + "/model.safetensors.index.json") << index.dump(2) << "\n";
+  }
+  return Status::Ok();
+}
+
+std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaConfig& c,
+                                                                   uint64_t seed,
+                                                                   at::ScalarType dtype) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  std::vector<std::pair<std::string, at::Tensor>> w;
+  auto randn = [&](std::vector<int64_t> shape, double std) {
+    return (at::randn(shape, gen, at::kFloat) * std).to(dtype);
+  };
+  auto norm = [&](int64_t d) { return (1.0 + at::randn({d}, gen, at::kFloat) * 0.1).to(dtype); };
+  auto linear = [&](const std::string& name, int64_t out, int64_t in, bool bias) {
+    w.emplace_back(name + ".weight", randn({out, in}, 0.2));
+    if (bias) w.emplace_back(name + ".bias", randn({out}, 0.05));
+  };
+  const VisionConfig& v = c.vision;
+  const int64_t dv = v.hidden_size;
+  w.emplace_back("vision.embeddings.class_embedding", randn({dv}, 0.5));
+  w.emplace_back("vision.embeddings.patch_embedding.weight",
+                 randn({dv, 3, v.patch_size, v.patch_size}, 0.2));
+  w.emplace_back("vision.embeddings.position_embedding.weight", randn({v.num_patches() + 1, dv}, 0.2));
+  w.emplace_back("vision.pre_layrnorm.weight", norm(dv));
+  w.emplace_back("vision.pre_layrnorm.bias", randn({dv}, 0.05));
+  for (int i = 0; i < v.num_hidden_layers; ++i) {
+    const std::string p = "vision.encoder.layers." + std::to_string(i);
+    for (const char* ln : {".layer_norm1", ".layer_norm2"}) {
+      w.emplace_back(p + ln + ".weight", norm(dv));
+      w.emplace_back(p + ln + ".bias", randn({dv}, 0.05));
+    }
+    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
+      linear(p + ".self_attn." + proj, dv, dv, true);
+    }
+    linear(p + ".mlp.fc1", v.intermediate_size, dv, true);
+    linear(p + ".mlp.fc2", dv, v.intermediate_size, true);
+  }
+  w.emplace_back("vision.post_layernorm.weight", norm(dv));
+  w.emplace_back("vision.post_layernorm.bias", randn({dv}, 0.05));
+
+  const TextConfig& t = c.text;
+  const int64_t d = t.hidden_size, hd = t.head_dim;
+  linear("projector.linear_1", d, dv, true);
+  linear("projector.linear_2", d, d, true);
+  w.emplace_back("lm.embed_tokens.weight", randn({t.vocab_size, d}, 1.0));
+  for (int i = 0; i < t.num_hidden_layers; ++i) {
+    const std::string p = "lm.layers." + std::to_string(i);
+    w.emplace_back(p + ".input_layernorm.weight", norm(d));
+    linear(p + ".self_attn.q_proj", t.num_attention_heads * hd, d, t.attention_bias);
+    linear(p + ".self_attn.k_proj", t.num_key_value_heads * hd, d, t.attention_bias);
+    linear(p + ".self_attn.v_proj", t.num_key_value_heads * hd, d, t.attention_bias);
+    linear(p + ".self_attn.o_proj", d, t.num_attention_heads * hd, t.attention_bias);
+    w.emplace_back(p + ".post_attention_layernorm.weight", norm(d));
+    linear(p + ".mlp.gate_proj", t.intermediate_size, d, false);
+    linear(p + ".mlp.up_proj", t.intermediate_size, d, false);
+    linear(p + ".mlp.down_proj", d, t.intermediate_size, false);
+  }
+  w.emplace_back("lm.norm.weight", norm(d));
+  if (!t.tie_word_embeddings) w.emplace_back("lm_head.weight", randn({t.vocab_size, d}, 0.2));
+  return w;
+}
+
+}  // namespace llava

@@ -1,0 +1,38 @@
+// Writes LLaVA checkpoints in the exact llava-hf folder layout (config.json,
+// preprocessor_config.json, safetensors shards + index). Used by the tiny-checkpoint tool,
+// tests and (later) the trainer.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/model_config.h"
+#include "engine/status.h"
+
+namespace llava {
+
+enum class TensorNaming { kOld, kNew };  // llava-hf naming generations (see engine/weights.h)
+
+// Canonical name ("lm.layers.0...") -> checkpoint name of the chosen generation.
+std::string CheckpointTensorName(const std::string& canonical, TensorNaming naming);
+
+// config.json text for `c` in llava-hf style.
+std::string LlavaConfigJson(const LlavaConfig& c);
+std::string PreprocessorConfigJson(const LlavaConfig& c);
+
+// Writes config files and tensors (canonical names; stored in each tensor's dtype, which must
+// be float, half or bfloat16) into `dir`, split into `shards` files (+ index when > 1).
+Status WriteLlavaCheckpoint(const std::string& dir, const LlavaConfig& config,
+                            const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                            TensorNaming naming, int shards);
+
+// Random weights for `c` with fixed `seed` (std 0.2 matrices, norms near 1), canonical names,
+// every tensor a real llava-hf checkpoint has (including the unused last vision layer).
+std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaConfig& c,
+                                                                   uint64_t seed,
+                                                                   at::ScalarType dtype);
+
+}  // namespace llava

@@ -1,0 +1,100 @@
+// llava-generate: answers one question about an image, streaming the answer to stdout.
+//   llava-generate --model DIR --image FILE --prompt TEXT [--temperature T --top-p P ...]
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "engine/generator.h"
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+
+namespace {
+
+bool ReadFile(const std::string& path, std::string* out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Generate an answer about an image with a LLaVA model"};
+  std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, prompt, dtype = "bf16", device = "cpu";
+  std::vector<std::string> image_paths;
+  std::string system_prompt;
+  int threads = 0;
+  bool show_stats = false;
+  llava::SamplingParams sp;
+  app.add_option("--model", model_dir, "llava-hf model folder")->capture_default_str();
+  app.add_option("--image", image_paths, "image file (repeatable)");
+  app.add_option("--prompt", prompt, "the question")->required();
+  app.add_option("--system", system_prompt, "optional system prompt");
+  app.add_option("--max-tokens", sp.max_tokens, "tokens to generate at most")->capture_default_str();
+  app.add_option("--temperature", sp.temperature, "0 = greedy")->capture_default_str();
+  app.add_option("--top-p", sp.top_p, "nucleus sampling mass")->capture_default_str();
+  app.add_option("--top-k", sp.top_k, "0 = off")->capture_default_str();
+  app.add_option("--seed", sp.seed, "sampling seed")->capture_default_str();
+  app.add_option("--repetition-penalty", sp.repetition_penalty)->capture_default_str();
+  app.add_option("--stop", sp.stop, "stop string (repeatable)");
+  app.add_option("--dtype", dtype, "bf16 | f32")->check(CLI::IsMember({"bf16", "f32"}));
+  app.add_option("--device", device, "cpu | cuda[:i]")->capture_default_str();
+  app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
+  app.add_flag("--stats", show_stats, "print token counts and timings to stderr");
+  CLI11_PARSE(app, argc, argv);
+  llava::InitTorchThreads(threads);
+
+  llava::ModelOptions options;
+  options.dtype = dtype == "f32" ? llava::DType::kF32 : llava::DType::kBF16;
+  options.device = device;
+  auto loaded = llava::LoadModel(model_dir, options);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "error: %s\n", loaded.status().ToString().c_str());
+    return 1;
+  }
+  llava::GenerationRequest req;
+  req.sampling = sp;
+  if (!system_prompt.empty()) {
+    req.messages.push_back({"system", {{llava::ContentPart::Kind::kText, system_prompt, 0}}});
+  }
+  llava::ChatMessage user{"user", {}};
+  for (size_t i = 0; i < image_paths.size(); ++i) {
+    std::string bytes;
+    if (!ReadFile(image_paths[i], &bytes)) {
+      std::fprintf(stderr, "error: cannot read --image %s\n", image_paths[i].c_str());
+      return 1;
+    }
+    req.images.push_back(std::move(bytes));
+    user.content.push_back({llava::ContentPart::Kind::kImage, "", static_cast<int>(i)});
+  }
+  user.content.push_back({llava::ContentPart::Kind::kText, prompt, 0});
+  req.messages.push_back(std::move(user));
+
+  llava::Generator generator(**loaded, llava::EngineLimits{});
+  auto result = generator.Generate(req, [](const std::string& delta) {
+    std::cout << delta << std::flush;
+    return true;
+  });
+  std::cout << std::endl;
+  if (!result.ok()) {
+    std::fprintf(stderr, "error: %s\n", result.status().ToString().c_str());
+    return 1;
+  }
+  if (show_stats) {
+    const auto& r = *result;
+    const double decode_s = r.total_seconds - r.ttft_seconds;
+    std::fprintf(stderr,
+                 "prompt_tokens=%d image_tokens=%d completion_tokens=%d finish=%s ttft_s=%.3f "
+                 "total_s=%.3f decode_tok_s=%.1f kv_bytes=%lld\n",
+                 r.prompt_tokens, r.image_tokens, r.completion_tokens,
+                 llava::FinishReasonName(r.finish), r.ttft_seconds, r.total_seconds,
+                 r.completion_tokens > 1 ? (r.completion_tokens - 1) / decode_s : 0.0,
+                 static_cast<long long>(r.kv.bytes_kept));
+  }
+  return 0;
+}

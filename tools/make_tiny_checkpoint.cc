@@ -1,0 +1,107 @@
+// llava-make-tiny: writes a tiny random LLaVA checkpoint in the exact llava-hf layout, with a
+// tokenizer.model trained by the `spm_train` command on a generated corpus. Deterministic for
+// a given --seed. Used by the tests; small enough to build in a second.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+#include "engine/runtime.h"
+#include "engine/tokenizer.h"
+#include "tools/checkpoint_writer.h"
+
+namespace {
+
+// Sentences over a fixed vocabulary plus accented, CJK and emoji words, so the tokenizer
+// learns merges and still needs byte fallback for unseen characters.
+void WriteCorpus(const std::string& path, uint64_t seed) {
+  static const char* kWords[] = {
+      "the", "a", "red", "blue", "green", "yellow", "circle", "square", "triangle", "star",
+      "is", "at", "top", "left", "right", "bottom", "center", "of", "image", "there", "are",
+      "two", "three", "objects", "what", "colour", "shape", "how", "many", "USER:", "ASSISTANT:",
+      "describe", "picture", "small", "large", "café", "naïve", "Zürich", "東京", "日本語",
+      "😀", "hello", "world", "yes", "no", "1", "2", "3", "42", "and", "in", "on", "with"};
+  std::mt19937_64 rng(seed);
+  std::ofstream out(path);
+  const size_t n = sizeof(kWords) / sizeof(kWords[0]);
+  for (int line = 0; line < 3000; ++line) {
+    const int len = 3 + static_cast<int>(rng() % 12);
+    for (int i = 0; i < len; ++i) out << (i ? " " : "") << kWords[rng() % n];
+    out << (rng() % 4 == 0 ? "?" : ".") << "\n";
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Write a tiny random LLaVA checkpoint in the llava-hf layout"};
+  std::string out_dir, naming = "new", dtype = "f32";
+  int shards = 1, vocab = 400;
+  uint64_t seed = 1;
+  app.add_option("--out", out_dir, "output folder (created)")->required();
+  app.add_option("--naming", naming, "tensor naming generation: old | new")
+      ->check(CLI::IsMember({"old", "new"}));
+  app.add_option("--shards", shards, "number of safetensors shards (index written when > 1)");
+  app.add_option("--dtype", dtype, "stored dtype: f32 | bf16 | f16")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+  app.add_option("--seed", seed, "random seed");
+  app.add_option("--vocab", vocab, "SentencePiece vocabulary size");
+  CLI11_PARSE(app, argc, argv);
+  llava::InitTorchThreads(1);
+
+  if (std::system(("mkdir -p '" + out_dir + "'").c_str()) != 0) return 1;
+  const std::string corpus = out_dir + "/.corpus.txt";
+  WriteCorpus(corpus, seed);
+  const std::string cmd =
+      "spm_train --input='" + corpus + "' --model_prefix='" + out_dir + "/tokenizer'" +
+      " --vocab_size=" + std::to_string(vocab) +
+      " --model_type=bpe --byte_fallback=true --normalization_rule_name=identity"
+      " --remove_extra_whitespaces=false --split_digits=true --character_coverage=1.0"
+      " --user_defined_symbols='<image>' --hard_vocab_limit=false --num_threads=1"
+      " --seed_sentencepiece_size=10000 > '" + out_dir + "/.spm_train.log' 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    std::fprintf(stderr, "spm_train failed; see %s/.spm_train.log\n", out_dir.c_str());
+    return 1;
+  }
+  std::remove(corpus.c_str());
+  std::remove((out_dir + "/tokenizer.vocab").c_str());
+  std::remove((out_dir + "/.spm_train.log").c_str());
+
+  auto tok = llava::Tokenizer::Load(out_dir + "/tokenizer.model");
+  if (!tok.ok()) {
+    std::fprintf(stderr, "%s\n", tok.status().ToString().c_str());
+    return 1;
+  }
+  llava::LlavaConfig c;
+  c.vision.hidden_size = 32;
+  c.vision.intermediate_size = 64;
+  c.vision.num_hidden_layers = 3;
+  c.vision.num_attention_heads = 2;
+  c.vision.image_size = 32;
+  c.vision.patch_size = 8;  // 16 image tokens
+  c.image_processor.shortest_edge = c.image_processor.crop_height =
+      c.image_processor.crop_width = 32;
+  c.text.hidden_size = 64;
+  c.text.intermediate_size = 128;
+  c.text.num_hidden_layers = 2;
+  c.text.num_attention_heads = 4;
+  c.text.num_key_value_heads = 2;  // grouped KV heads
+  c.text.head_dim = 16;
+  c.text.vocab_size = ((*tok)->vocab_size() + 63) / 64 * 64;  // padded, as LLaVA's 32064
+  c.text.max_position_embeddings = 512;
+  c.text.rms_norm_eps = 1e-5;
+  c.image_token_index = (*tok)->PieceToId("<image>");
+
+  const at::ScalarType st = dtype == "f32" ? at::kFloat : dtype == "bf16" ? at::kBFloat16 : at::kHalf;
+  auto weights = llava::RandomLlavaWeights(c, seed, st);
+  llava::Status s = llava::WriteLlavaCheckpoint(
+      out_dir, c, weights, naming == "old" ? llava::TensorNaming::kOld : llava::TensorNaming::kNew,
+      shards);
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
+  }
+  std::printf("wrote %s (%zu tensors, vocab %d, image token %d)\n", out_dir.c_str(),
+              weights.size(), c.text.vocab_size, c.image_token_index);
+  return 0;
+}
