@@ -74,7 +74,8 @@ StatusOr<PromptTokens> BuildPrompt(const Tokenizer& tokenizer,
     if (m.role == "system") {
       if (i != 0) return InvalidArgument(field + ".role: system is only allowed first");
     } else if (m.role != "user" && m.role != "assistant") {
-      return InvalidArgument(field + ".role must be user, assistant or system, got '" + m.role + "'");
+      return InvalidArgument(field + ".role must be user, assistant or system, got '" + m.role +
+                             "'");
     }
     if (m.content.empty()) return InvalidArgument(field + ".content must not be empty");
     if (m.role == "system") {

@@ -27,10 +27,10 @@ struct ChatMessage {
 };
 
 struct PromptTokens {
-  std::vector<int> ids;             // [T]; image rows hold the image token id
-  std::vector<int> image_offsets;   // start of each image's rows in `ids`, in image-list order
-  int image_rows = 0;               // rows per image
-  int text_tokens = 0;              // T minus image rows
+  std::vector<int> ids;            // [T]; image rows hold the image token id
+  std::vector<int> image_offsets;  // start of each image's rows in `ids`, in image-list order
+  int image_rows = 0;              // rows per image
+  int text_tokens = 0;             // T minus image rows
 };
 
 struct PromptLimits {

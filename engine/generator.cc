@@ -18,10 +18,14 @@ LoadedModel::~LoadedModel() = default;
 
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kError: return "error";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kError:
+      return "error";
   }
   return "?";
 }
@@ -33,8 +37,9 @@ StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
   LLAVA_ASSIGN_OR_RETURN(loaded->model, LlavaModel::Load(dir, options));
   const LlavaConfig& c = loaded->model->config();
   if (loaded->tokenizer->vocab_size() > c.text.vocab_size) {
-    return InvalidArgument(dir + ": tokenizer has " + std::to_string(loaded->tokenizer->vocab_size()) +
-                           " tokens but text_config.vocab_size is " + std::to_string(c.text.vocab_size));
+    return InvalidArgument(
+        dir + ": tokenizer has " + std::to_string(loaded->tokenizer->vocab_size()) +
+        " tokens but text_config.vocab_size is " + std::to_string(c.text.vocab_size));
   }
   if (c.image_token_index < 0) return InvalidArgument(dir + ": image_token_index is negative");
   return loaded;
@@ -57,10 +62,9 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
     std::vector<float> p = PreprocessImage(img, cfg.image_processor);
     pixels.insert(pixels.end(), p.begin(), p.end());
   }
-  LLAVA_ASSIGN_OR_RETURN(
-      PromptTokens prompt,
-      BuildPrompt(tok, req.messages, static_cast<int>(req.images.size()), cfg.image_token_index,
-                  cfg.image_tokens(), limits_.prompt));
+  LLAVA_ASSIGN_OR_RETURN(PromptTokens prompt,
+                         BuildPrompt(tok, req.messages, static_cast<int>(req.images.size()),
+                                     cfg.image_token_index, cfg.image_tokens(), limits_.prompt));
   const int64_t context = cfg.text.max_position_embeddings;
   if (static_cast<int64_t>(prompt.ids.size()) + req.sampling.max_tokens > context) {
     return InvalidArgument("the prompt (" + std::to_string(prompt.ids.size()) +
@@ -76,9 +80,8 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
     at::Tensor features;
     if (!req.images.empty()) {
       const auto tv = std::chrono::steady_clock::now();
-      at::Tensor px = at::from_blob(pixels.data(),
-                                    {static_cast<int64_t>(req.images.size()), 3, crop, crop},
-                                    at::kFloat);
+      at::Tensor px = at::from_blob(
+          pixels.data(), {static_cast<int64_t>(req.images.size()), 3, crop, crop}, at::kFloat);
       features = model.EncodeImages(px);
       result.vision_seconds = SecondsSince(tv);
     }

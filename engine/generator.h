@@ -26,7 +26,8 @@ struct LoadedModel {
   std::unique_ptr<Tokenizer> tokenizer;
   ~LoadedModel();
 };
-StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir, const ModelOptions& options);
+StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
+                                                 const ModelOptions& options);
 
 struct GenerationRequest {
   std::vector<ChatMessage> messages;
@@ -64,7 +65,8 @@ class Generator {
 
   // Runs the whole request on the calling thread. Errors name the request field at fault;
   // model failures (c10::Error) come back as INTERNAL, never as exceptions.
-  StatusOr<GenerationResult> Generate(const GenerationRequest& request, const TextCallback& on_text);
+  StatusOr<GenerationResult> Generate(const GenerationRequest& request,
+                                      const TextCallback& on_text);
 
  private:
   const LoadedModel& m_;

@@ -34,8 +34,8 @@ StatusOr<ImageInfo> ProbeJpeg(const uint8_t* d, size_t n, const std::string& fie
     }
     const uint32_t len = Be16(d + i + 2);
     if (len < 2) return Truncated(field, "JPEG");
-    const bool sof = marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 &&
-                     marker != 0xCC;
+    const bool sof =
+        marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC;
     if (sof) {
       if (i + 9 > n) return Truncated(field, "JPEG");
       ImageInfo info{ImageFormat::kJpeg, static_cast<int>(Be16(d + i + 7)),
@@ -71,11 +71,16 @@ StatusOr<ImageInfo> ProbeWebp(const uint8_t* d, size_t n, const std::string& fie
 
 const char* ImageFormatName(ImageFormat f) {
   switch (f) {
-    case ImageFormat::kJpeg: return "JPEG";
-    case ImageFormat::kPng: return "PNG";
-    case ImageFormat::kWebp: return "WebP";
-    case ImageFormat::kBmp: return "BMP";
-    case ImageFormat::kUnknown: break;
+    case ImageFormat::kJpeg:
+      return "JPEG";
+    case ImageFormat::kPng:
+      return "PNG";
+    case ImageFormat::kWebp:
+      return "WebP";
+    case ImageFormat::kBmp:
+      return "BMP";
+    case ImageFormat::kUnknown:
+      break;
   }
   return "unknown";
 }
@@ -87,7 +92,8 @@ StatusOr<ImageInfo> ProbeImage(const std::string& bytes, const std::string& fiel
   static const uint8_t kPngSig[8] = {0x89, 'P', 'N', 'G', 0x0D, 0x0A, 0x1A, 0x0A};
   if (n >= 8 && std::memcmp(d, kPngSig, 8) == 0) {
     if (n < 24 || std::memcmp(d + 12, "IHDR", 4) != 0) return Truncated(field, "PNG");
-    return ImageInfo{ImageFormat::kPng, static_cast<int>(std::min<uint32_t>(Be32(d + 16), 1u << 30)),
+    return ImageInfo{ImageFormat::kPng,
+                     static_cast<int>(std::min<uint32_t>(Be32(d + 16), 1u << 30)),
                      static_cast<int>(std::min<uint32_t>(Be32(d + 20), 1u << 30))};
   }
   if (n >= 3 && d[0] == 0xFF && d[1] == 0xD8 && d[2] == 0xFF) return ProbeJpeg(d, n, field);
@@ -153,8 +159,12 @@ StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limi
   }
   cv::Mat rgb;
   switch (decoded.channels()) {
-    case 1: cv::cvtColor(decoded, rgb, cv::COLOR_GRAY2RGB); break;
-    case 3: cv::cvtColor(decoded, rgb, cv::COLOR_BGR2RGB); break;
+    case 1:
+      cv::cvtColor(decoded, rgb, cv::COLOR_GRAY2RGB);
+      break;
+    case 3:
+      cv::cvtColor(decoded, rgb, cv::COLOR_BGR2RGB);
+      break;
     case 4: {
       // Composite on white, as transformers' convert_to_rgb does.
       rgb.create(decoded.rows, decoded.cols, CV_8UC3);
@@ -170,7 +180,8 @@ StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limi
       }
       break;
     }
-    default: return InvalidArgument(field + ": unsupported channel count");
+    default:
+      return InvalidArgument(field + ": unsupported channel count");
   }
   RgbImage out;
   out.width = rgb.cols;
@@ -187,8 +198,8 @@ std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorCo
     cv::Scalar mean(std::round(cfg.image_mean[0] * 255), std::round(cfg.image_mean[1] * 255),
                     std::round(cfg.image_mean[2] * 255));
     cv::Mat square(side, side, CV_8UC3, mean);
-    src.copyTo(square(cv::Rect((side - image.width) / 2, (side - image.height) / 2, image.width,
-                               image.height)));
+    src.copyTo(square(
+        cv::Rect((side - image.width) / 2, (side - image.height) / 2, image.width, image.height)));
     img = square;
   }
   // Shorter side -> shortest_edge, longer side scaled and truncated as transformers does.
@@ -218,7 +229,8 @@ std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorCo
       const uint8_t* px = inside ? resized.ptr<uint8_t>(sy) + 3 * sx : nullptr;
       for (int c = 0; c < 3; ++c) {
         const float v = inside ? px[c] * static_cast<float>(cfg.rescale_factor) : 0.f;
-        out[(static_cast<size_t>(c) * ch + y) * cw + x] = (v - cfg.image_mean[c]) / cfg.image_std[c];
+        out[(static_cast<size_t>(c) * ch + y) * cw + x] =
+            (v - cfg.image_mean[c]) / cfg.image_std[c];
       }
     }
   }

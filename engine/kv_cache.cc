@@ -12,7 +12,8 @@ class LayerBuffer {
  public:
   void Append(const at::Tensor& k, const at::Tensor& v) {
     const int64_t n = k.size(1);
-    if (!k_.defined() || len_ + n > k_.size(1)) Grow(k, std::max<int64_t>(len_ + n, 2 * Capacity()));
+    if (!k_.defined() || len_ + n > k_.size(1))
+      Grow(k, std::max<int64_t>(len_ + n, 2 * Capacity()));
     k_.narrow(1, len_, n).copy_(k);
     v_.narrow(1, len_, n).copy_(v);
     len_ += n;

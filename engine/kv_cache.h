@@ -20,10 +20,10 @@ namespace llava {
 
 // Memory accounting reported per request (DESIGN.md section 4.5).
 struct KvStats {
-  int64_t tokens_seen = 0;              // n = prompt + generated tokens fed so far
+  int64_t tokens_seen = 0;  // n = prompt + generated tokens fed so far
   std::vector<int64_t> entries_per_layer;
-  int64_t bytes_kept = 0;               // sum over layers of entries x bytes_per_entry
-  int64_t full_equivalent_bytes = 0;    // what Full would hold: layers x n x bytes_per_entry
+  int64_t bytes_kept = 0;             // sum over layers of entries x bytes_per_entry
+  int64_t full_equivalent_bytes = 0;  // what Full would hold: layers x n x bytes_per_entry
   int64_t tokens_merged = 0;
   int64_t tokens_evicted = 0;
 };

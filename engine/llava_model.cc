@@ -1,6 +1,7 @@
 #include "engine/llava_model.h"
 
 #include <cmath>
+#include <limits>
 
 #include "engine/weights.h"
 
@@ -67,7 +68,8 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * normed.to(x.scalar_type());
 }
 
-at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
+at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& positions,
+                       const at::Tensor& inv_freq) {
   // angles [n, hd/2] -> cos/sin [n, 1, hd] broadcast over heads
   at::Tensor angles = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
   at::Tensor emb = at::cat({angles, angles}, -1).unsqueeze(1);
@@ -78,7 +80,9 @@ at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& positions, const a
 LlavaModel::~LlavaModel() = default;
 
 at::TensorOptions LlavaModel::tensor_options() const {
-  return at::TensorOptions().dtype(ScalarTypeOf(options_.dtype)).device(at::Device(options_.device));
+  return at::TensorOptions()
+      .dtype(ScalarTypeOf(options_.dtype))
+      .device(at::Device(options_.device));
 }
 
 KvLayout LlavaModel::kv_layout() const {
@@ -163,9 +167,11 @@ Status LlavaModel::LoadWeights(CheckpointReader* reader) {
         take.GetLinear(p + ".self_attn.v_proj", t.num_key_value_heads * hd, d, ab, &l.v));
     LLAVA_RETURN_IF_ERROR(
         take.GetLinear(p + ".self_attn.o_proj", d, t.num_attention_heads * hd, ab, &l.o));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.gate_proj", t.intermediate_size, d, false, &l.gate));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".mlp.gate_proj", t.intermediate_size, d, false, &l.gate));
     LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.up_proj", t.intermediate_size, d, false, &l.up));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.down_proj", d, t.intermediate_size, false, &l.down));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".mlp.down_proj", d, t.intermediate_size, false, &l.down));
   }
   LLAVA_RETURN_IF_ERROR(take.Get("lm.norm.weight", {d}, &final_norm_));
   if (t.tie_word_embeddings && reader->Find("lm_head.weight") == nullptr) {
@@ -195,7 +201,9 @@ at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   for (const ClipLayer& l : clip_layers_) {
     at::Tensor h = l.ln1(x);
-    auto heads_view = [&](const at::Tensor& t) { return t.view({b, s, heads, hd}).transpose(1, 2); };
+    auto heads_view = [&](const at::Tensor& t) {
+      return t.view({b, s, heads, hd}).transpose(1, 2);
+    };
     at::Tensor q = heads_view(l.q(h) * scale), k = heads_view(l.k(h)), vv = heads_view(l.v(h));
     at::Tensor probs = at::softmax(at::matmul(q, k.transpose(-1, -2)), -1, at::kFloat);
     at::Tensor attn = at::matmul(probs.to(x.scalar_type()), vv).transpose(1, 2).reshape({b, s, dv});
@@ -227,17 +235,11 @@ at::Tensor LlavaModel::EmbedPrompt(const std::vector<int>& ids,
   return x;
 }
 
-at::Tensor LlavaModel::Attention(const at::Tensor& q, const at::Tensor& k_new,
-                                 const at::Tensor& v_new, int layer, KvCache* cache) const {
-  // q [n, H, hd], k_new/v_new [n, Hkv, hd] (rotated) -> out [n, H*hd]
-  const int64_t n = q.size(0), h = q.size(1), hd = q.size(2), hkv = k_new.size(1), g = h / hkv;
-  cache->Append(layer, k_new.transpose(0, 1), v_new.transpose(0, 1));
-  const at::Tensor keys = cache->Keys(layer);    // [Hkv, L, hd]
-  const at::Tensor values = cache->Values(layer);  // [Hkv, L, hd]
-  const int64_t len = keys.size(1);
-  const bool want_probs = cache->WantsAttentionProbs(layer);
+at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           at::Tensor* probs_out) {
+  const int64_t n = q.size(0), h = q.size(1), hd = q.size(2);
+  const int64_t hkv = keys.size(0), len = keys.size(1), g = h / hkv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-
   // Query heads sharing a KV head are stacked: [Hkv, G, n, hd].
   at::Tensor q4 = q.permute({1, 0, 2}).reshape({hkv, g, n, hd});
   at::Tensor keys_t = keys.transpose(1, 2);  // [Hkv, hd, L]
@@ -254,13 +256,28 @@ at::Tensor LlavaModel::Attention(const at::Tensor& q, const at::Tensor& k_new,
       scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
     }
     at::Tensor probs = at::softmax(scores, -1, at::kFloat);  // [Hkv, G, bn, L]
-    if (want_probs) probs_all.push_back(probs.view({h, bn, len}));
+    if (probs_out != nullptr) probs_all.push_back(probs.view({h, bn, len}));
     outs.push_back(at::matmul(probs.to(values.scalar_type()).view({hkv, g * bn, len}), values)
                        .view({hkv, g, bn, hd}));
   }
-  if (want_probs) cache->ObserveAttention(layer, probs_all.size() == 1 ? probs_all[0] : at::cat(probs_all, 1));
+  if (probs_out != nullptr) {
+    *probs_out = probs_all.size() == 1 ? probs_all[0] : at::cat(probs_all, 1);
+  }
   at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 2);  // [Hkv, G, n, hd]
   return out.reshape({h, n, hd}).transpose(0, 1).reshape({n, h * hd});
+}
+
+at::Tensor LlavaModel::Attention(const at::Tensor& q, const at::Tensor& k_new,
+                                 const at::Tensor& v_new, int layer, KvCache* cache) const {
+  // q [n, H, hd], k_new/v_new [n, Hkv, hd] (rotated) -> out [n, H*hd]
+  cache->Append(layer, k_new.transpose(0, 1), v_new.transpose(0, 1));
+  if (!cache->WantsAttentionProbs(layer)) {
+    return CachedAttention(q, cache->Keys(layer), cache->Values(layer), nullptr);
+  }
+  at::Tensor probs;
+  at::Tensor out = CachedAttention(q, cache->Keys(layer), cache->Values(layer), &probs);
+  cache->ObserveAttention(layer, probs);
+  return out;
 }
 
 at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
@@ -282,7 +299,7 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
     total += n;
   }
   const at::Device dev(options_.device);
-  at::Tensor x = embeds.size() == 1 ? embeds[0] : at::cat(embeds, 0);      // [N, D]
+  at::Tensor x = embeds.size() == 1 ? embeds[0] : at::cat(embeds, 0);  // [N, D]
   at::Tensor pos = (positions.size() == 1 ? positions[0] : at::cat(positions, 0)).to(dev);  // [N]
 
   for (int li = 0; li < t.num_hidden_layers; ++li) {
@@ -290,7 +307,7 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
     at::Tensor hn = RmsNorm(x, l.input_norm, t.rms_norm_eps);
     at::Tensor q = ApplyRotary(l.q(hn).view({total, nh, hd}), pos, inv_freq_);   // [N, H, hd]
     at::Tensor k = ApplyRotary(l.k(hn).view({total, nkv, hd}), pos, inv_freq_);  // [N, Hkv, hd]
-    at::Tensor v = l.v(hn).view({total, nkv, hd});                                // [N, Hkv, hd]
+    at::Tensor v = l.v(hn).view({total, nkv, hd});                               // [N, Hkv, hd]
     std::vector<at::Tensor> attn;
     for (size_t c = 0; c < chunks.size(); ++c) {
       const int64_t n = chunks[c].embeds.size(0);

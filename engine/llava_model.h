@@ -118,7 +118,13 @@ class LlavaModel {
 };
 
 // Rotary embedding (rotate-half form, as HF LLaMA): x [n, heads, hd], positions [n] int64.
-at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq);
+at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& positions,
+                       const at::Tensor& inv_freq);
+// Causal attention of n new queries against a cache of len >= n entries whose last n rows
+// belong to these queries (grouped KV heads allowed). q [n, H, hd]; keys, values [Hkv, len, hd].
+// Returns [n, H*hd]; `probs` (optional) receives the softmax probabilities [H, n, len] in fp32.
+at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           at::Tensor* probs);
 // RMSNorm computed in fp32, result in x's dtype times weight: x [.., D], weight [D].
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 

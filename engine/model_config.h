@@ -60,7 +60,7 @@ struct LlavaConfig {
   VisionConfig vision;
   ImageProcessorConfig image_processor;
   int image_token_index = 32000;
-  int vision_feature_layer = -2;                       // index into CLIP hidden states
+  int vision_feature_layer = -2;                           // index into CLIP hidden states
   std::string vision_feature_select_strategy = "default";  // "default" drops CLS, "full" keeps
   std::string projector_hidden_act = "gelu";
   bool multimodal_projector_bias = true;

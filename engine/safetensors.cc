@@ -18,10 +18,14 @@ namespace {
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;
 
 bool ParseDType(const std::string& s, DType* out) {
-  if (s == "F32") *out = DType::kF32;
-  else if (s == "F16") *out = DType::kF16;
-  else if (s == "BF16") *out = DType::kBF16;
-  else return false;
+  if (s == "F32")
+    *out = DType::kF32;
+  else if (s == "F16")
+    *out = DType::kF16;
+  else if (s == "BF16")
+    *out = DType::kBF16;
+  else
+    return false;
   return true;
 }
 
@@ -29,9 +33,12 @@ bool ParseDType(const std::string& s, DType* out) {
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "F32";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
   }
   return "?";
 }
@@ -86,9 +93,10 @@ Status SafetensorsFile::Parse() {
     return DataLoss(path_ + ": truncated: header needs " + std::to_string(header_len) +
                     " bytes but the file has " + std::to_string(map_size_ - 8));
   }
-  nlohmann::json header = nlohmann::json::parse(
-      reinterpret_cast<const char*>(bytes + 8), reinterpret_cast<const char*>(bytes + 8 + header_len),
-      /*cb=*/nullptr, /*allow_exceptions=*/false);
+  nlohmann::json header =
+      nlohmann::json::parse(reinterpret_cast<const char*>(bytes + 8),
+                            reinterpret_cast<const char*>(bytes + 8 + header_len),
+                            /*cb=*/nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
     return DataLoss(path_ + ": header is not a JSON object");
   }

@@ -53,7 +53,9 @@ int Sampler::Sample(float* logits, int vocab, const std::vector<int>& history) {
   order_.resize(vocab);
   std::iota(order_.begin(), order_.end(), 0);
   int k = params_.top_k > 0 ? std::min(params_.top_k, vocab) : vocab;
-  auto by_logit = [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  auto by_logit = [&](int a, int b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
   if (k < vocab) {
     std::partial_sort(order_.begin(), order_.begin() + k, order_.end(), by_logit);
     order_.resize(k);

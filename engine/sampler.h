@@ -11,13 +11,13 @@
 namespace llava {
 
 struct SamplingParams {
-  int max_tokens = 256;             // tokens to generate at most, >= 1
-  float temperature = 0.f;          // 0 = greedy; otherwise >= 0 and finite
-  float top_p = 1.f;                // nucleus mass in (0, 1]
-  int top_k = 0;                    // 0 = off
-  uint64_t seed = 0;                // RNG seed; same seed + same input = same output
-  std::vector<std::string> stop;    // generation ends before any of these strings
-  float repetition_penalty = 1.f;   // > 0; 1 = off (HF/CTRL rule: divide positive logits)
+  int max_tokens = 256;            // tokens to generate at most, >= 1
+  float temperature = 0.f;         // 0 = greedy; otherwise >= 0 and finite
+  float top_p = 1.f;               // nucleus mass in (0, 1]
+  int top_k = 0;                   // 0 = off
+  uint64_t seed = 0;               // RNG seed; same seed + same input = same output
+  std::vector<std::string> stop;   // generation ends before any of these strings
+  float repetition_penalty = 1.f;  // > 0; 1 = off (HF/CTRL rule: divide positive logits)
 };
 
 // Checks every field; the error names it ("sampling.top_p must be in (0, 1], got 2").

@@ -41,7 +41,9 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+inline Status InvalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
 inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 inline Status DataLoss(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
@@ -58,7 +60,7 @@ template <typename T>
 class [[nodiscard]] StatusOr {
  public:
   StatusOr(Status status) : status_(std::move(status)) { assert(!status_.ok()); }  // NOLINT
-  StatusOr(T value) : value_(std::move(value)) {}                                   // NOLINT
+  StatusOr(T value) : value_(std::move(value)) {}                                  // NOLINT
 
   bool ok() const { return status_.ok(); }
   const Status& status() const { return status_; }
@@ -77,16 +79,18 @@ class [[nodiscard]] StatusOr {
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
+  const T& operator*() const& { return value(); }
+  T&& operator*() && { return std::move(*this).value(); }
 
  private:
   Status status_;
   std::optional<T> value_;
 };
 
-#define LLAVA_RETURN_IF_ERROR(expr)    \
-  do {                                 \
-    ::llava::Status _st = (expr);      \
-    if (!_st.ok()) return _st;         \
+#define LLAVA_RETURN_IF_ERROR(expr) \
+  do {                              \
+    ::llava::Status _st = (expr);   \
+    if (!_st.ok()) return _st;      \
   } while (0)
 
 #define LLAVA_CONCAT_INNER(a, b) a##b

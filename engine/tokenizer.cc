@@ -8,13 +8,13 @@
 #include <queue>
 #include <sstream>
 
-#include "sentencepiece_model.pb.h"  // generated into the build folder
 #include "engine/utf8.h"
+#include "sentencepiece_model.pb.h"  // generated into the build folder
 
 namespace llava {
 namespace {
 
-constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";  // U+2581 "▁"
+constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";       // U+2581 "▁"
 constexpr std::string_view kUnknownSurface = " \xE2\x81\x87 ";  // " ⁇ ", as spm_decode prints
 
 bool ReadFile(const std::string& path, std::string* out) {
@@ -55,8 +55,10 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& model_pa
   }
   if (ReadFile(dir + "/tokenizer_config.json", &text)) {
     auto j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_object() && j.contains("added_tokens_decoder") && j["added_tokens_decoder"].is_object()) {
-      for (auto it = j["added_tokens_decoder"].begin(); it != j["added_tokens_decoder"].end(); ++it) {
+    if (j.is_object() && j.contains("added_tokens_decoder") &&
+        j["added_tokens_decoder"].is_object()) {
+      for (auto it = j["added_tokens_decoder"].begin(); it != j["added_tokens_decoder"].end();
+           ++it) {
         const auto& v = it.value();
         if (!v.is_object() || !v.contains("content") || !v["content"].is_string()) continue;
         int id = -1;
@@ -114,12 +116,24 @@ Status Tokenizer::Init(const std::string& bytes, const std::string& origin) {
     const auto& p = proto.pieces(i);
     PieceType type = PieceType::kNormal;
     switch (p.type()) {
-      case spm::ModelProto::SentencePiece::NORMAL: type = PieceType::kNormal; break;
-      case spm::ModelProto::SentencePiece::UNKNOWN: type = PieceType::kUnknown; break;
-      case spm::ModelProto::SentencePiece::CONTROL: type = PieceType::kControl; break;
-      case spm::ModelProto::SentencePiece::USER_DEFINED: type = PieceType::kUserDefined; break;
-      case spm::ModelProto::SentencePiece::UNUSED: type = PieceType::kUnused; break;
-      case spm::ModelProto::SentencePiece::BYTE: type = PieceType::kByte; break;
+      case spm::ModelProto::SentencePiece::NORMAL:
+        type = PieceType::kNormal;
+        break;
+      case spm::ModelProto::SentencePiece::UNKNOWN:
+        type = PieceType::kUnknown;
+        break;
+      case spm::ModelProto::SentencePiece::CONTROL:
+        type = PieceType::kControl;
+        break;
+      case spm::ModelProto::SentencePiece::USER_DEFINED:
+        type = PieceType::kUserDefined;
+        break;
+      case spm::ModelProto::SentencePiece::UNUSED:
+        type = PieceType::kUnused;
+        break;
+      case spm::ModelProto::SentencePiece::BYTE:
+        type = PieceType::kByte;
+        break;
     }
     id_to_piece_.push_back(p.piece());
     types_.push_back(type);
@@ -148,7 +162,8 @@ Status Tokenizer::Init(const std::string& bytes, const std::string& origin) {
   if (trainer.has_eos_id() && trainer.eos_id() >= 0) eos_id_ = trainer.eos_id();
   if (byte_fallback_) {
     for (int b = 0; b < 256; ++b) {
-      if (byte_ids_[b] < 0) return DataLoss(origin + ": byte_fallback set but <0xNN> pieces missing");
+      if (byte_ids_[b] < 0)
+        return DataLoss(origin + ": byte_fallback set but <0xNN> pieces missing");
     }
   }
   std::sort(specials_.begin(), specials_.end(),
@@ -157,7 +172,8 @@ Status Tokenizer::Init(const std::string& bytes, const std::string& origin) {
 }
 
 Status Tokenizer::AddToken(const std::string& piece, int id, bool special) {
-  if (piece.empty()) return InvalidArgument("added token with id " + std::to_string(id) + " is empty");
+  if (piece.empty())
+    return InvalidArgument("added token with id " + std::to_string(id) + " is empty");
   if (id < 0 || id > (1 << 24)) return InvalidArgument("added token '" + piece + "' has a bad id");
   if (id < vocab_size() && id_to_piece_[id] != piece) {
     return InvalidArgument("added token '" + piece + "' id " + std::to_string(id) +
@@ -257,7 +273,8 @@ void Tokenizer::EncodeNormalized(std::string_view text, bool parse_special,
     int sid;
     size_t len = MatchSpecial(text, pos, parse_special, &sid);
     const bool frozen = len > 0;
-    if (!frozen) len = std::min(Utf8CharLen(static_cast<unsigned char>(text[pos])), text.size() - pos);
+    if (!frozen)
+      len = std::min(Utf8CharLen(static_cast<unsigned char>(text[pos])), text.size() - pos);
     const int idx = static_cast<int>(symbols.size());
     symbols.push_back({idx - 1, -1, pos, len, frozen});
     if (idx > 0) symbols[idx - 1].next = idx;
@@ -290,7 +307,8 @@ void Tokenizer::EncodeNormalized(std::string_view text, bool parse_special,
                           std::string(text.substr(r.begin, r.len))};
     }
   };
-  for (size_t i = 1; i < symbols.size(); ++i) maybe_add(static_cast<int>(i) - 1, static_cast<int>(i));
+  for (size_t i = 1; i < symbols.size(); ++i)
+    maybe_add(static_cast<int>(i) - 1, static_cast<int>(i));
 
   while (!agenda.empty()) {
     const Pair top = agenda.top();
@@ -336,15 +354,19 @@ void Tokenizer::EncodeNormalized(std::string_view text, bool parse_special,
 void Tokenizer::AppendPieceText(int id, bool at_start, std::string* out) const {
   if (id < 0 || id >= vocab_size()) return;
   switch (types_[id]) {
-    case PieceType::kControl: return;
-    case PieceType::kUnknown: out->append(kUnknownSurface); return;
+    case PieceType::kControl:
+      return;
+    case PieceType::kUnknown:
+      out->append(kUnknownSurface);
+      return;
     case PieceType::kByte: {
       unsigned v = 0;
       std::sscanf(id_to_piece_[id].c_str(), "<0x%02X>", &v);
       out->push_back(static_cast<char>(v));
       return;
     }
-    default: break;
+    default:
+      break;
   }
   std::string_view piece = id_to_piece_[id];
   if (at_start && add_dummy_prefix_ && piece.substr(0, kSpaceSymbol.size()) == kSpaceSymbol) {
@@ -370,9 +392,10 @@ std::string Tokenizer::Decode(const std::vector<int>& ids) const {
 }
 
 std::string StreamDecoder::Push(int id) {
-  const size_t before = pending_.size();
+  // Only the first real piece loses its dummy-prefix space (as spm_decode does), even when
+  // that piece is nothing but the space.
   tokenizer_.AppendPieceText(id, at_start_, &pending_);
-  if (pending_.size() > before) at_start_ = false;
+  if (!tokenizer_.IsSpecial(id)) at_start_ = false;
   const size_t hold = Utf8IncompleteTail(pending_);
   std::string ready = pending_.substr(0, pending_.size() - hold);
   pending_.erase(0, pending_.size() - hold);

@@ -11,15 +11,20 @@
 namespace llava {
 namespace {
 
-bool StartsWith(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
+bool StartsWith(const std::string& s, const std::string& p) {
+  return s.compare(0, p.size(), p) == 0;
+}
 
 bool FileExists(const std::string& path) { return std::ifstream(path).good(); }
 
 at::ScalarType ToScalarType(DType d) {
   switch (d) {
-    case DType::kF32: return at::kFloat;
-    case DType::kF16: return at::kHalf;
-    case DType::kBF16: return at::kBFloat16;
+    case DType::kF32:
+      return at::kFloat;
+    case DType::kF16:
+      return at::kHalf;
+    case DType::kBF16:
+      return at::kBFloat16;
   }
   return at::kFloat;
 }
@@ -34,14 +39,10 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 StatusOr<std::string> CanonicalTensorName(const std::string& name) {
   static const std::pair<const char*, const char*> kPrefixes[] = {
-      {"language_model.model.", "lm."},
-      {"model.language_model.", "lm."},
-      {"language_model.lm_head.", "lm_head."},
-      {"lm_head.", "lm_head."},
-      {"vision_tower.vision_model.", "vision."},
-      {"model.vision_tower.vision_model.", "vision."},
-      {"multi_modal_projector.", "projector."},
-      {"model.multi_modal_projector.", "projector."},
+      {"language_model.model.", "lm."},          {"model.language_model.", "lm."},
+      {"language_model.lm_head.", "lm_head."},   {"lm_head.", "lm_head."},
+      {"vision_tower.vision_model.", "vision."}, {"model.vision_tower.vision_model.", "vision."},
+      {"multi_modal_projector.", "projector."},  {"model.multi_modal_projector.", "projector."},
   };
   for (const auto& [from, to] : kPrefixes) {
     if (StartsWith(name, from)) return std::string(to) + name.substr(std::string(from).size());
@@ -66,7 +67,8 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::st
       if (!it.value().is_string()) return InvalidArgument(index_path + ": bad entry " + it.key());
       const std::string shard = it.value().get<std::string>();
       if (shard.find('/') != std::string::npos) {
-        return InvalidArgument(index_path + ": shard name '" + shard + "' must be a plain file name");
+        return InvalidArgument(index_path + ": shard name '" + shard +
+                               "' must be a plain file name");
       }
       if (std::find(shards.begin(), shards.end(), shard) == shards.end()) shards.push_back(shard);
     }
@@ -85,7 +87,8 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::st
   if (shards.empty()) return NotFound(dir + ": no .safetensors files");
 
   for (const auto& shard : shards) {
-    LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> f, SafetensorsFile::Open(dir + "/" + shard));
+    LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> f,
+                           SafetensorsFile::Open(dir + "/" + shard));
     for (const auto& t : f->tensors()) {
       auto canonical = CanonicalTensorName(t.name);
       if (!canonical.ok()) return InvalidArgument(f->path() + ": " + canonical.status().message());

@@ -53,7 +53,8 @@ struct BadCase {
 TEST(Safetensors, RejectsMalformedFilesWithClearMessages) {
   const std::vector<BadCase> cases = {
       {"tiny", "abc", StatusCode::kDataLoss, "truncated"},
-      {"header_past_end", RawFile(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4).substr(0, 30),
+      {"header_past_end",
+       RawFile(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4).substr(0, 30),
        StatusCode::kDataLoss, "header needs"},
       {"not_json", RawFile("{not json", 0), StatusCode::kDataLoss, "not a JSON object"},
       {"bad_dtype", RawFile(R"({"w":{"dtype":"I8","shape":[4],"data_offsets":[0,4]}})", 4),
@@ -63,7 +64,9 @@ TEST(Safetensors, RejectsMalformedFilesWithClearMessages) {
       {"truncated_data", RawFile(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8),
        StatusCode::kDataLoss, "truncated file"},
       {"overlap",
-       RawFile(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
+       RawFile(
+           R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+           12),
        StatusCode::kDataLoss, "overlap"},
       {"negative_shape", RawFile(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4),
        StatusCode::kDataLoss, "bad shape"},

@@ -21,7 +21,8 @@ std::string CheckpointTensorName(const std::string& canonical, TensorNaming nami
     return old ? "language_model." + canonical : canonical;
   }
   if (canonical.rfind("vision.", 0) == 0) {
-    return replace("vision.", old ? "vision_tower.vision_model." : "model.vision_tower.vision_model.");
+    return replace("vision.",
+                   old ? "vision_tower.vision_model." : "model.vision_tower.vision_model.");
   }
   if (canonical.rfind("projector.", 0) == 0) {
     return replace("projector.", old ? "multi_modal_projector." : "model.multi_modal_projector.");
@@ -96,20 +97,27 @@ Status WriteLlavaCheckpoint(const std::string& dir, const LlavaConfig& config,
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   const size_t per_shard = (tensors.size() + shards - 1) / shards;
   for (int s = 0; s < shards; ++s) {
-    const std::string file =
-        shards == 1 ? "model.safetensors"
-                    : "model-" + std::to_string(100001 + s).substr(1) + "-of-" +
-                          std::to_string(100000 + shards).substr(1) + ".safetensors";
+    const std::string file = shards == 1
+                                 ? "model.safetensors"
+                                 : "model-" + std::to_string(100001 + s).substr(1) + "-of-" +
+                                       std::to_string(100000 + shards).substr(1) + ".safetensors";
     std::vector<TensorToWrite> out;
     for (size_t i = s * per_shard; i < std::min(tensors.size(), (s + 1) * per_shard); ++i) {
       at::Tensor t = tensors[i].second.contiguous().cpu();
       keep.push_back(t);
       DType d;
       switch (t.scalar_type()) {
-        case at::kFloat: d = DType::kF32; break;
-        case at::kHalf: d = DType::kF16; break;
-        case at::kBFloat16: d = DType::kBF16; break;
-        default: return InvalidArgument("tensor " + tensors[i].first + ": unsupported dtype");
+        case at::kFloat:
+          d = DType::kF32;
+          break;
+        case at::kHalf:
+          d = DType::kF16;
+          break;
+        case at::kBFloat16:
+          d = DType::kBF16;
+          break;
+        default:
+          return InvalidArgument("tensor " + tensors[i].first + ": unsupported dtype");
       }
       const std::string name = CheckpointTensorName(tensors[i].first, naming);
       out.push_back({name, d, t.sizes().vec(), t.data_ptr()});
@@ -144,7 +152,8 @@ std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaCo
   w.emplace_back("vision.embeddings.class_embedding", randn({dv}, 0.5));
   w.emplace_back("vision.embeddings.patch_embedding.weight",
                  randn({dv, 3, v.patch_size, v.patch_size}, 0.2));
-  w.emplace_back("vision.embeddings.position_embedding.weight", randn({v.num_patches() + 1, dv}, 0.2));
+  w.emplace_back("vision.embeddings.position_embedding.weight",
+                 randn({v.num_patches() + 1, dv}, 0.2));
   w.emplace_back("vision.pre_layrnorm.weight", norm(dv));
   w.emplace_back("vision.pre_layrnorm.bias", randn({dv}, 0.05));
   for (int i = 0; i < v.num_hidden_layers; ++i) {

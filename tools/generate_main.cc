@@ -35,7 +35,8 @@ int main(int argc, char** argv) {
   app.add_option("--image", image_paths, "image file (repeatable)");
   app.add_option("--prompt", prompt, "the question")->required();
   app.add_option("--system", system_prompt, "optional system prompt");
-  app.add_option("--max-tokens", sp.max_tokens, "tokens to generate at most")->capture_default_str();
+  app.add_option("--max-tokens", sp.max_tokens, "tokens to generate at most")
+      ->capture_default_str();
   app.add_option("--temperature", sp.temperature, "0 = greedy")->capture_default_str();
   app.add_option("--top-p", sp.top_p, "nucleus sampling mass")->capture_default_str();
   app.add_option("--top-k", sp.top_k, "0 = off")->capture_default_str();

@@ -16,11 +16,13 @@ namespace {
 // learns merges and still needs byte fallback for unseen characters.
 void WriteCorpus(const std::string& path, uint64_t seed) {
   static const char* kWords[] = {
-      "the", "a", "red", "blue", "green", "yellow", "circle", "square", "triangle", "star",
-      "is", "at", "top", "left", "right", "bottom", "center", "of", "image", "there", "are",
-      "two", "three", "objects", "what", "colour", "shape", "how", "many", "USER:", "ASSISTANT:",
-      "describe", "picture", "small", "large", "café", "naïve", "Zürich", "東京", "日本語",
-      "😀", "hello", "world", "yes", "no", "1", "2", "3", "42", "and", "in", "on", "with"};
+      "the",      "a",      "red",   "blue",  "green", "yellow", "circle",     "square",
+      "triangle", "star",   "is",    "at",    "top",   "left",   "right",      "bottom",
+      "center",   "of",     "image", "there", "are",   "two",    "three",      "objects",
+      "what",     "colour", "shape", "how",   "many",  "USER:",  "ASSISTANT:", "describe",
+      "picture",  "small",  "large", "café",  "naïve", "Zürich", "東京",       "日本語",
+      "😀",        "hello",  "world", "yes",   "no",    "1",      "2",          "3",
+      "42",       "and",    "in",    "on",    "with"};
   std::mt19937_64 rng(seed);
   std::ofstream out(path);
   const size_t n = sizeof(kWords) / sizeof(kWords[0]);
@@ -58,7 +60,8 @@ int main(int argc, char** argv) {
       " --model_type=bpe --byte_fallback=true --normalization_rule_name=identity"
       " --remove_extra_whitespaces=false --split_digits=true --character_coverage=1.0"
       " --user_defined_symbols='<image>' --hard_vocab_limit=false --num_threads=1"
-      " --seed_sentencepiece_size=10000 > '" + out_dir + "/.spm_train.log' 2>&1";
+      " --seed_sentencepiece_size=10000 > '" +
+      out_dir + "/.spm_train.log' 2>&1";
   if (std::system(cmd.c_str()) != 0) {
     std::fprintf(stderr, "spm_train failed; see %s/.spm_train.log\n", out_dir.c_str());
     return 1;
@@ -79,8 +82,8 @@ int main(int argc, char** argv) {
   c.vision.num_attention_heads = 2;
   c.vision.image_size = 32;
   c.vision.patch_size = 8;  // 16 image tokens
-  c.image_processor.shortest_edge = c.image_processor.crop_height =
-      c.image_processor.crop_width = 32;
+  c.image_processor.shortest_edge = c.image_processor.crop_height = c.image_processor.crop_width =
+      32;
   c.text.hidden_size = 64;
   c.text.intermediate_size = 128;
   c.text.num_hidden_layers = 2;
@@ -92,7 +95,9 @@ int main(int argc, char** argv) {
   c.text.rms_norm_eps = 1e-5;
   c.image_token_index = (*tok)->PieceToId("<image>");
 
-  const at::ScalarType st = dtype == "f32" ? at::kFloat : dtype == "bf16" ? at::kBFloat16 : at::kHalf;
+  const at::ScalarType st = dtype == "f32"    ? at::kFloat
+                            : dtype == "bf16" ? at::kBFloat16
+                                              : at::kHalf;
   auto weights = llava::RandomLlavaWeights(c, seed, st);
   llava::Status s = llava::WriteLlavaCheckpoint(
       out_dir, c, weights, naming == "old" ? llava::TensorNaming::kOld : llava::TensorNaming::kNew,
@@ -101,7 +106,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 1;
   }
-  std::printf("wrote %s (%zu tensors, vocab %d, image token %d)\n", out_dir.c_str(),
-              weights.size(), c.text.vocab_size, c.image_token_index);
+  std::printf("wrote %s (%zu tensors, vocab %d, image token %d)\n", out_dir.c_str(), weights.size(),
+              c.text.vocab_size, c.image_token_index);
   return 0;
 }

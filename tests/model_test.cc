@@ -1,0 +1,178 @@
+// Model numerics: every op checked two ways (llama.cpp's habit), on the tiny f32 checkpoint.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+#include "tests/test_util.h"
+
+namespace llava {
+namespace {
+
+std::unique_ptr<LlavaModel> LoadTiny(const std::string& name, DType dtype) {
+  ModelOptions o;
+  o.dtype = dtype;
+  auto m = LlavaModel::Load(::llava::testing::TestData() + "/" + name, o);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  return m.ok() ? std::move(m).value() : nullptr;
+}
+
+// Normalised mean squared error between two tensors.
+double Nmse(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
+  return (x - y).pow(2).sum().item<double>() / std::max(1e-30, y.pow(2).sum().item<double>());
+}
+
+TEST(Rotary, MatchesPairwiseRotation) {
+  // rotate-half convention: dims i and i + hd/2 form a pair rotated by pos * theta^(-2i/hd).
+  const int64_t n = 5, heads = 3, hd = 8;
+  at::manual_seed(0);
+  at::Tensor x = at::randn({n, heads, hd}, at::kDouble);
+  at::Tensor pos = at::tensor({0, 1, 7, 100, 513}, at::kLong);
+  const double theta = 10000.0;
+  at::Tensor inv =
+      at::pow(theta, at::arange(0, hd, 2, at::kDouble) / double(hd)).reciprocal().to(at::kFloat);
+  at::Tensor got = ApplyRotary(x.to(at::kFloat), pos, inv).to(at::kDouble);
+  auto xa = x.accessor<double, 3>();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < hd / 2; ++i) {
+        const double ang = pos[t].item<int64_t>() * std::pow(theta, -2.0 * i / hd);
+        const double a = xa[t][h][i], b = xa[t][h][i + hd / 2];
+        EXPECT_NEAR(got[t][h][i].item<double>(), a * std::cos(ang) - b * std::sin(ang), 1e-4);
+        EXPECT_NEAR(got[t][h][i + hd / 2].item<double>(), b * std::cos(ang) + a * std::sin(ang),
+                    1e-4);
+      }
+    }
+  }
+}
+
+TEST(Attention, MatchesNaiveLoopsWithCachedPrefixAndGroupedHeads) {
+  const int64_t n = 3, past = 4, len = past + n, h = 4, hkv = 2, hd = 8;
+  at::manual_seed(1);
+  at::Tensor q = at::randn({n, h, hd}, at::kDouble);
+  at::Tensor k = at::randn({hkv, len, hd}, at::kDouble);
+  at::Tensor v = at::randn({hkv, len, hd}, at::kDouble);
+  at::Tensor probs;
+  at::Tensor got =
+      CachedAttention(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), &probs).to(at::kDouble);
+  ASSERT_EQ(got.sizes(), (std::vector<int64_t>{n, h * hd}));
+  ASSERT_EQ(probs.sizes(), (std::vector<int64_t>{h, n, len}));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t hh = 0; hh < h; ++hh) {
+      const int64_t kv = hh / (h / hkv);
+      const int64_t visible = past + i + 1;
+      std::vector<double> w(visible);
+      double mx = -1e300, sum = 0;
+      for (int64_t j = 0; j < visible; ++j) {
+        w[j] = (q[i][hh] * k[kv][j]).sum().item<double>() / std::sqrt(double(hd));
+        mx = std::max(mx, w[j]);
+      }
+      for (auto& x : w) sum += (x = std::exp(x - mx));
+      for (int64_t j = 0; j < len; ++j) {
+        const double p = j < visible ? w[j] / sum : 0.0;
+        EXPECT_NEAR(probs[hh][i][j].item<double>(), p, 1e-5);
+      }
+      for (int64_t d = 0; d < hd; ++d) {
+        double o = 0;
+        for (int64_t j = 0; j < visible; ++j) o += w[j] / sum * v[kv][j][d].item<double>();
+        EXPECT_NEAR(got[i][hh * hd + d].item<double>(), o, 1e-4);
+      }
+    }
+  }
+}
+
+TEST(Attention, QueryBlocksGiveSameResultAsOneBlock) {
+  // 300 queries span two query blocks of 256; compare against computing each row alone.
+  const int64_t n = 300, h = 2, hd = 4;
+  at::manual_seed(2);
+  at::Tensor q = at::randn({n, h, hd}), k = at::randn({h, n, hd}), v = at::randn({h, n, hd});
+  at::Tensor all = CachedAttention(q, k, v, nullptr);
+  for (int64_t i : {0L, 255L, 256L, 299L}) {
+    at::Tensor row =
+        CachedAttention(q.narrow(0, i, 1), k.narrow(1, 0, i + 1), v.narrow(1, 0, i + 1), nullptr);
+    EXPECT_LT(Nmse(row[0], all[i]), 1e-10) << i;
+  }
+}
+
+class TinyModelTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { InitTorchThreads(2); }
+  at::Tensor RandomIds(int64_t n, int seed) const {
+    at::manual_seed(seed);
+    return at::randint(3, model_->config().text.vocab_size, {n}, at::kLong);
+  }
+  std::unique_ptr<LlavaModel> model_ = LoadTiny("tiny-new", DType::kF32);
+};
+
+TEST_F(TinyModelTest, IncrementalDecodingMatchesFullForward) {
+  ASSERT_NE(model_, nullptr);
+  const int64_t total = 24, prefix = 10;
+  at::Tensor ids = RandomIds(total, 3);
+  // One pass over the whole sequence, logits for every row.
+  auto full_cache = model_->NewFullCache();
+  at::Tensor full = model_->Forward({{model_->Embed(ids), 0, full_cache.get(), true}});
+  // Prefill the prefix, then one token at a time through the KV cache.
+  auto cache = model_->NewFullCache();
+  std::vector<at::Tensor> rows = {
+      model_->Forward({{model_->Embed(ids.narrow(0, 0, prefix)), 0, cache.get(), false}})};
+  for (int64_t t = prefix; t < total; ++t) {
+    rows.push_back(model_->Forward(
+        {{model_->Embed(ids.narrow(0, t, 1)), cache->NextPosition(), cache.get(), false}}));
+  }
+  at::Tensor inc = at::cat(rows, 0);
+  EXPECT_LT(Nmse(inc, full.narrow(0, prefix - 1, total - prefix + 1)), 1e-10);
+  EXPECT_EQ(cache->Length(0), total);
+  const KvStats s = cache->Stats();
+  EXPECT_EQ(s.tokens_seen, total);
+  EXPECT_EQ(s.bytes_kept, s.full_equivalent_bytes);
+  EXPECT_EQ(s.bytes_kept, 2 /*layers*/ * total * 2 * 2 /*kv heads*/ * 16 /*hd*/ * 4 /*f32*/);
+}
+
+TEST_F(TinyModelTest, BatchOfTwoEqualsEachAlone) {
+  ASSERT_NE(model_, nullptr);
+  at::Tensor a = RandomIds(9, 4), b = RandomIds(14, 5);
+  auto ca = model_->NewFullCache(), cb = model_->NewFullCache();
+  at::Tensor alone_a = model_->Forward({{model_->Embed(a), 0, ca.get(), true}});
+  at::Tensor alone_b = model_->Forward({{model_->Embed(b), 0, cb.get(), true}});
+  auto ba = model_->NewFullCache(), bb = model_->NewFullCache();
+  at::Tensor both = model_->Forward(
+      {{model_->Embed(a), 0, ba.get(), true}, {model_->Embed(b), 0, bb.get(), true}});
+  EXPECT_LT(Nmse(both.narrow(0, 0, 9), alone_a), 1e-10);
+  EXPECT_LT(Nmse(both.narrow(0, 9, 14), alone_b), 1e-10);
+  // A batched decode step over ragged caches equals the two steps alone.
+  at::Tensor na = RandomIds(1, 6), nb = RandomIds(1, 7);
+  at::Tensor step_a = model_->Forward({{model_->Embed(na), 9, ca.get(), false}});
+  at::Tensor step_b = model_->Forward({{model_->Embed(nb), 14, cb.get(), false}});
+  at::Tensor step = model_->Forward(
+      {{model_->Embed(na), 9, ba.get(), false}, {model_->Embed(nb), 14, bb.get(), false}});
+  EXPECT_LT(Nmse(step[0], step_a[0]), 1e-10);
+  EXPECT_LT(Nmse(step[1], step_b[0]), 1e-10);
+}
+
+TEST_F(TinyModelTest, ImageFeaturesHaveConfiguredShapeAndDependOnPixels) {
+  ASSERT_NE(model_, nullptr);
+  const auto& c = model_->config();
+  at::manual_seed(8);
+  at::Tensor px = at::randn({2, 3, c.vision.image_size, c.vision.image_size});
+  at::Tensor f = model_->EncodeImages(px);
+  EXPECT_EQ(f.sizes(), (std::vector<int64_t>{2, c.image_tokens(), c.text.hidden_size}));
+  at::Tensor f0 = model_->EncodeImages(px.narrow(0, 0, 1));
+  EXPECT_LT(Nmse(f0[0], f[0]), 1e-10);  // batching images changes nothing
+  EXPECT_GT(Nmse(f[0], f[1]), 1e-3);    // different pixels, different features
+}
+
+TEST_F(TinyModelTest, Bf16RunTracksF32Run) {
+  ASSERT_NE(model_, nullptr);
+  auto bf16 = LoadTiny("tiny-new", DType::kBF16);
+  ASSERT_NE(bf16, nullptr);
+  at::Tensor ids = RandomIds(16, 9);
+  auto c32 = model_->NewFullCache(), c16 = bf16->NewFullCache();
+  at::Tensor l32 = model_->Forward({{model_->Embed(ids), 0, c32.get(), true}});
+  at::Tensor l16 = bf16->Forward({{bf16->Embed(ids), 0, c16.get(), true}});
+  EXPECT_LT(Nmse(l16, l32), 1e-3);  // bf16 has 8 mantissa bits
+}
+
+}  // namespace
+}  // namespace llava
