@@ -6,7 +6,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 SOURCES := $(shell git ls-files '*.h' '*.cc' 2>/dev/null)
 
-.PHONY: all deps build test serve bench test-sanitize format check-format clean
+.PHONY: all deps build build-cuda test serve bench test-sanitize format check-format clean
 
 all: build
 
@@ -24,6 +24,12 @@ test: build
 serve: build
 	./$(BUILD)/llava-generate --image models/examples/shapes.png \
 	  --prompt "What is in the image?" --max-tokens 32 --stats
+
+# Compiles the engine with the CUDA kernels (nvcc from /usr/local/cuda); no GPU needed to build.
+build-cuda: deps
+	cmake -S . -B $(BUILD)-cuda -DCMAKE_BUILD_TYPE=Release -DLLAVA_WITH_CUDA=ON \
+	  -DLLAVA_BUILD_TESTS=OFF -DLLAVA_BUILD_BENCH=OFF
+	cmake --build $(BUILD)-cuda -j$(JOBS) --target llava_engine llava-generate
 
 bench: build
 	./$(BUILD)/llava-bench
@@ -45,4 +51,4 @@ check-format:
 	clang-format --dry-run --Werror $(SOURCES)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-cuda

@@ -5,6 +5,10 @@
 
 #include "engine/weights.h"
 
+#ifdef LLAVA_WITH_CUDA
+#include "engine/cuda/rms_norm.h"
+#endif
+
 namespace llava {
 namespace {
 
@@ -22,7 +26,7 @@ at::Tensor RotateHalf(const at::Tensor& x) {
 // Loader helper: takes tensors under a prefix with shapes derived from the config.
 class Taker {
  public:
-  Taker(CheckpointReader* r, const ModelOptions& o) : r_(r), o_(o) {}
+  Taker(WeightSource* r, const ModelOptions& o) : r_(r), o_(o) {}
   Status Get(const std::string& name, std::vector<int64_t> shape, at::Tensor* out,
              bool fp32 = false) {
     return r_->Take(name, shape, fp32 ? DType::kF32 : o_.dtype, o_.device, out);
@@ -39,7 +43,7 @@ class Taker {
   }
 
  private:
-  CheckpointReader* r_;
+  WeightSource* r_;
   ModelOptions o_;
 };
 
@@ -63,18 +67,32 @@ at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
 }
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+#ifdef LLAVA_WITH_CUDA
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
+    at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty_like(xc);
+    const int64_t dim = xc.size(-1);
+    if (cuda::RmsNormBf16(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), xc.numel() / dim, dim,
+                          static_cast<float>(eps), /*stream=*/nullptr)) {
+      return y;
+    }
+  }
+#endif
   at::Tensor xf = x.to(at::kFloat);
   at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return weight * normed.to(x.scalar_type());
 }
 
-at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& positions,
-                       const at::Tensor& inv_freq) {
-  // angles [n, hd/2] -> cos/sin [n, 1, hd] broadcast over heads
+RotaryTable MakeRotaryTable(const at::Tensor& positions, const at::Tensor& inv_freq) {
+  // angles [n, hd/2] -> [n, 1, hd], broadcast over heads
   at::Tensor angles = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
   at::Tensor emb = at::cat({angles, angles}, -1).unsqueeze(1);
+  return {emb.cos(), emb.sin()};
+}
+
+at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table) {
   at::Tensor xf = x.to(at::kFloat);
-  return (xf * emb.cos() + RotateHalf(xf) * emb.sin()).to(x.scalar_type());
+  return (xf * table.cos + RotateHalf(xf) * table.sin).to(x.scalar_type());
 }
 
 LlavaModel::~LlavaModel() = default;
@@ -96,30 +114,36 @@ KvLayout LlavaModel::kv_layout() const {
 
 StatusOr<std::unique_ptr<LlavaModel>> LlavaModel::Load(const std::string& dir,
                                                        const ModelOptions& options) {
+  LLAVA_ASSIGN_OR_RETURN(LlavaConfig config, LoadLlavaConfig(dir));
+  LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(dir));
+  return FromWeights(config, std::move(reader), options);
+}
+
+StatusOr<std::unique_ptr<LlavaModel>> LlavaModel::FromWeights(const LlavaConfig& config,
+                                                              std::unique_ptr<WeightSource> weights,
+                                                              const ModelOptions& options) {
   std::unique_ptr<LlavaModel> m(new LlavaModel());
   m->options_ = options;
-  LLAVA_ASSIGN_OR_RETURN(m->config_, LoadLlavaConfig(dir));
-  if (options.device != "cpu") {
-    try {
-      at::Device dev(options.device);
-      if (dev.is_cuda() && !at::hasCUDA()) {
-        return FailedPrecondition("device '" + options.device +
-                                  "' requested but this libtorch has no CUDA support or no GPU");
-      }
-    } catch (const c10::Error&) {
-      return InvalidArgument("device '" + options.device + "' is not a valid device name");
-    }
-  }
-  LLAVA_ASSIGN_OR_RETURN(m->reader_, CheckpointReader::Open(dir));
+  m->config_ = config;
   try {
-    LLAVA_RETURN_IF_ERROR(m->LoadWeights(m->reader_.get()));
+    at::Device dev(options.device);
+    if (dev.is_cuda() && !at::hasCUDA()) {
+      return FailedPrecondition("device '" + options.device +
+                                "' requested but this libtorch has no CUDA support or no GPU");
+    }
+  } catch (const c10::Error&) {
+    return InvalidArgument("device '" + options.device + "' is not a valid device name");
+  }
+  m->weights_ = std::move(weights);
+  try {
+    LLAVA_RETURN_IF_ERROR(m->LoadWeights(m->weights_.get()));
   } catch (const c10::Error& e) {
-    return Internal(dir + ": loading weights failed: " + e.what_without_backtrace());
+    return Internal(std::string("loading weights failed: ") + e.what_without_backtrace());
   }
   return m;
 }
 
-Status LlavaModel::LoadWeights(CheckpointReader* reader) {
+Status LlavaModel::LoadWeights(WeightSource* reader) {
   const TextConfig& t = config_.text;
   const VisionConfig& v = config_.vision;
   Taker take(reader, options_);
@@ -159,22 +183,27 @@ Status LlavaModel::LoadWeights(CheckpointReader* reader) {
     const bool ab = t.attention_bias;
     LLAVA_RETURN_IF_ERROR(take.Get(p + ".input_layernorm.weight", {d}, &l.input_norm));
     LLAVA_RETURN_IF_ERROR(take.Get(p + ".post_attention_layernorm.weight", {d}, &l.post_norm));
+    Linear q, k, v, gate, up;
     LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".self_attn.q_proj", t.num_attention_heads * hd, d, ab, &l.q));
+        take.GetLinear(p + ".self_attn.q_proj", t.num_attention_heads * hd, d, ab, &q));
     LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".self_attn.k_proj", t.num_key_value_heads * hd, d, ab, &l.k));
+        take.GetLinear(p + ".self_attn.k_proj", t.num_key_value_heads * hd, d, ab, &k));
     LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".self_attn.v_proj", t.num_key_value_heads * hd, d, ab, &l.v));
+        take.GetLinear(p + ".self_attn.v_proj", t.num_key_value_heads * hd, d, ab, &v));
     LLAVA_RETURN_IF_ERROR(
         take.GetLinear(p + ".self_attn.o_proj", d, t.num_attention_heads * hd, ab, &l.o));
     LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".mlp.gate_proj", t.intermediate_size, d, false, &l.gate));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.up_proj", t.intermediate_size, d, false, &l.up));
+        take.GetLinear(p + ".mlp.gate_proj", t.intermediate_size, d, false, &gate));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.up_proj", t.intermediate_size, d, false, &up));
     LLAVA_RETURN_IF_ERROR(
         take.GetLinear(p + ".mlp.down_proj", d, t.intermediate_size, false, &l.down));
+    // Stacked projections: one pass over the activations, one long weight stream per GEMM.
+    l.qkv.weight = at::cat({q.weight, k.weight, v.weight}, 0);
+    if (ab) l.qkv.bias = at::cat({q.bias, k.bias, v.bias}, 0);
+    l.gate_up.weight = at::cat({gate.weight, up.weight}, 0);
   }
   LLAVA_RETURN_IF_ERROR(take.Get("lm.norm.weight", {d}, &final_norm_));
-  if (t.tie_word_embeddings && reader->Find("lm_head.weight") == nullptr) {
+  if (t.tie_word_embeddings && !reader->Has("lm_head.weight")) {
     lm_head_ = embed_tokens_;
   } else {
     LLAVA_RETURN_IF_ERROR(take.Get("lm_head.weight", {t.vocab_size, d}, &lm_head_));
@@ -301,13 +330,15 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
   const at::Device dev(options_.device);
   at::Tensor x = embeds.size() == 1 ? embeds[0] : at::cat(embeds, 0);  // [N, D]
   at::Tensor pos = (positions.size() == 1 ? positions[0] : at::cat(positions, 0)).to(dev);  // [N]
+  const RotaryTable rope = MakeRotaryTable(pos, inv_freq_);
 
   for (int li = 0; li < t.num_hidden_layers; ++li) {
     const LlamaLayer& l = layers_[li];
     at::Tensor hn = RmsNorm(x, l.input_norm, t.rms_norm_eps);
-    at::Tensor q = ApplyRotary(l.q(hn).view({total, nh, hd}), pos, inv_freq_);   // [N, H, hd]
-    at::Tensor k = ApplyRotary(l.k(hn).view({total, nkv, hd}), pos, inv_freq_);  // [N, Hkv, hd]
-    at::Tensor v = l.v(hn).view({total, nkv, hd});                               // [N, Hkv, hd]
+    at::Tensor qkv = l.qkv(hn);  // [N, (H + 2 Hkv) hd]
+    at::Tensor q = ApplyRotary(qkv.narrow(1, 0, nh * hd).view({total, nh, hd}), rope);
+    at::Tensor k = ApplyRotary(qkv.narrow(1, nh * hd, nkv * hd).view({total, nkv, hd}), rope);
+    at::Tensor v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({total, nkv, hd});
     std::vector<at::Tensor> attn;
     for (size_t c = 0; c < chunks.size(); ++c) {
       const int64_t n = chunks[c].embeds.size(0);
@@ -316,7 +347,9 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
     }
     x = x + l.o(attn.size() == 1 ? attn[0] : at::cat(attn, 0));
     hn = RmsNorm(x, l.post_norm, t.rms_norm_eps);
-    x = x + l.down(at::silu(l.gate(hn)) * l.up(hn));
+    at::Tensor gate_up = l.gate_up(hn);  // [N, 2F]
+    const int64_t f = t.intermediate_size;
+    x = x + l.down(at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f));
   }
   for (const SequenceChunk& c : chunks) c.cache->OnForwardDone(c.embeds.size(0));
 

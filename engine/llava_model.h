@@ -21,7 +21,7 @@
 
 namespace llava {
 
-class CheckpointReader;
+class WeightSource;
 
 struct ModelOptions {
   DType dtype = DType::kBF16;  // weights and activations; kF32 for reference numerics
@@ -49,10 +49,9 @@ struct ClipLayer {
 struct LlamaLayer {
   at::Tensor input_norm;  // [D]
   at::Tensor post_norm;   // [D]
-  Linear q;               // [H*hd, D]
-  Linear k, v;            // [Hkv*hd, D]
-  Linear o;               // [D, H*hd]
-  Linear gate, up;        // [F, D]
+  Linear qkv;             // [(H + 2 Hkv) hd, D]: q, k, v projections stacked (one GEMM)
+  Linear o;               // [D, H hd]
+  Linear gate_up;         // [2F, D]: gate then up (one GEMM)
   Linear down;            // [D, F]
 };
 
@@ -66,8 +65,13 @@ struct SequenceChunk {
 
 class LlavaModel {
  public:
+  // Loads a llava-hf folder (config.json, preprocessor_config.json, safetensors).
   static StatusOr<std::unique_ptr<LlavaModel>> Load(const std::string& dir,
                                                     const ModelOptions& options);
+  // Builds the model from `config` and weights under canonical names (benchmarks, trainer).
+  static StatusOr<std::unique_ptr<LlavaModel>> FromWeights(const LlavaConfig& config,
+                                                           std::unique_ptr<WeightSource> weights,
+                                                           const ModelOptions& options);
   ~LlavaModel();
 
   const LlavaConfig& config() const { return config_; }
@@ -93,13 +97,13 @@ class LlavaModel {
 
  private:
   LlavaModel() = default;
-  Status LoadWeights(CheckpointReader* reader);
+  Status LoadWeights(WeightSource* source);
   at::Tensor Attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                        int layer, KvCache* cache) const;
 
   LlavaConfig config_;
   ModelOptions options_;
-  std::unique_ptr<CheckpointReader> reader_;  // keeps aliased weight mappings alive
+  std::unique_ptr<WeightSource> weights_;  // keeps aliased weight memory alive
 
   // Vision tower
   at::Tensor patch_embedding_;     // [Dv, 3, P, P]
@@ -117,9 +121,14 @@ class LlavaModel {
   at::Tensor inv_freq_;    // [hd/2] fp32 rotary frequencies
 };
 
-// Rotary embedding (rotate-half form, as HF LLaMA): x [n, heads, hd], positions [n] int64.
-at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& positions,
-                       const at::Tensor& inv_freq);
+// Rotary embedding (rotate-half form, as HF LLaMA). The cos/sin table [n, 1, hd] (fp32) for
+// positions [n] is built once per forward pass and applied to q and k of every layer.
+struct RotaryTable {
+  at::Tensor cos, sin;
+};
+RotaryTable MakeRotaryTable(const at::Tensor& positions, const at::Tensor& inv_freq);
+// x [n, heads, hd] -> rotated, same dtype.
+at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table);
 // Causal attention of n new queries against a cache of len >= n entries whose last n rows
 // belong to these queries (grouped KV heads allowed). q [n, H, hd]; keys, values [Hkv, len, hd].
 // Returns [n, H*hd]; `probs` (optional) receives the softmax probabilities [H, n, len] in fp32.

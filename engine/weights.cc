@@ -35,7 +35,57 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+std::string ShapeMismatch(const std::string& where, const std::string& name,
+                          const std::vector<int64_t>& got, const std::vector<int64_t>& want) {
+  return where + ": tensor '" + name + "' has shape " + ShapeString(got) + ", config implies " +
+         ShapeString(want);
+}
+
+std::string UnusedList(std::vector<std::string> unused) {
+  std::sort(unused.begin(), unused.end());
+  std::string list;
+  for (size_t i = 0; i < unused.size() && i < 8; ++i) list += (i ? ", " : "") + unused[i];
+  if (unused.size() > 8) list += ", ... (" + std::to_string(unused.size()) + " in all)";
+  return list;
+}
+
+class TensorMapSource final : public WeightSource {
+ public:
+  explicit TensorMapSource(std::vector<std::pair<std::string, at::Tensor>> tensors) {
+    for (auto& [name, t] : tensors) tensors_[name] = std::move(t);
+  }
+  bool Has(const std::string& name) const override { return tensors_.count(name) > 0; }
+  Status Take(const std::string& name, const std::vector<int64_t>& shape, DType dtype,
+              const std::string& device, at::Tensor* out) override {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) return NotFound("missing tensor '" + name + "'");
+    if (it->second.sizes().vec() != shape) {
+      return InvalidArgument(ShapeMismatch("weights", name, it->second.sizes().vec(), shape));
+    }
+    taken_.insert(name);
+    *out = it->second.to(at::Device(device), ToScalarType(dtype)).contiguous();
+    return Status::Ok();
+  }
+  Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const override {
+    std::vector<std::string> unused;
+    for (const auto& [name, t] : tensors_) {
+      if (!taken_.count(name) && !ignorable(name)) unused.push_back(name);
+    }
+    if (unused.empty()) return Status::Ok();
+    return InvalidArgument("unexpected tensors not used by the model: " + UnusedList(unused));
+  }
+
+ private:
+  std::unordered_map<std::string, at::Tensor> tensors_;
+  std::set<std::string> taken_;
+};
+
 }  // namespace
+
+std::unique_ptr<WeightSource> NewTensorMapSource(
+    std::vector<std::pair<std::string, at::Tensor>> tensors) {
+  return std::make_unique<TensorMapSource>(std::move(tensors));
+}
 
 StatusOr<std::string> CanonicalTensorName(const std::string& name) {
   static const std::pair<const char*, const char*> kPrefixes[] = {
@@ -114,8 +164,7 @@ Status CheckpointReader::Take(const std::string& canonical, const std::vector<in
   const TensorInfo* info = Find(canonical);
   if (info == nullptr) return NotFound(dir_ + ": missing tensor '" + canonical + "'");
   if (info->shape != shape) {
-    return InvalidArgument(dir_ + ": tensor '" + original_names_[canonical] + "' has shape " +
-                           ShapeString(info->shape) + ", config implies " + ShapeString(shape));
+    return InvalidArgument(ShapeMismatch(dir_, original_names_[canonical], info->shape, shape));
   }
   taken_.insert(canonical);
   const at::ScalarType src_type = ToScalarType(info->dtype);
@@ -143,11 +192,8 @@ Status CheckpointReader::CheckAllTaken(
     if (!taken_.count(name) && !ignorable(name)) unused.push_back(original_names_.at(name));
   }
   if (unused.empty()) return Status::Ok();
-  std::sort(unused.begin(), unused.end());
-  std::string list;
-  for (size_t i = 0; i < unused.size() && i < 8; ++i) list += (i ? ", " : "") + unused[i];
-  if (unused.size() > 8) list += ", ... (" + std::to_string(unused.size()) + " in all)";
-  return InvalidArgument(dir_ + ": unexpected tensors not used by the model: " + list);
+  return InvalidArgument(dir_ +
+                         ": unexpected tensors not used by the model: " + UnusedList(unused));
 }
 
 }  // namespace llava

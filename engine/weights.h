@@ -29,21 +29,39 @@ namespace llava {
 // Maps a checkpoint tensor name to its canonical name; error for names of neither generation.
 StatusOr<std::string> CanonicalTensorName(const std::string& name);
 
-class CheckpointReader {
+// Where model weights come from, under canonical names: a checkpoint folder, or tensors in
+// memory (benchmarks, the trainer). The model takes each tensor once, then checks that
+// nothing unexpected is left over.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  virtual bool Has(const std::string& canonical) const = 0;
+  // Loads tensor `canonical`, which must have `shape`, as `dtype` on `device` ("cpu",
+  // "cuda", "cuda:1"). The result may alias memory the source owns, so the source must
+  // outlive the tensor.
+  virtual Status Take(const std::string& canonical, const std::vector<int64_t>& shape, DType dtype,
+                      const std::string& device, at::Tensor* out) = 0;
+  // Fails, naming them, if tensors remain that were never taken and `ignorable` rejects.
+  virtual Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const = 0;
+};
+
+// In-memory tensors with canonical names (stored in any floating dtype).
+std::unique_ptr<WeightSource> NewTensorMapSource(
+    std::vector<std::pair<std::string, at::Tensor>> tensors);
+
+class CheckpointReader final : public WeightSource {
  public:
   static StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir);
 
   // nullptr when absent.
   const TensorInfo* Find(const std::string& canonical) const;
+  bool Has(const std::string& canonical) const override { return Find(canonical) != nullptr; }
 
-  // Loads tensor `canonical`, which must have `shape`, as `dtype` on `device` ("cpu",
-  // "cuda", "cuda:1"). When the stored dtype already matches and the device is the CPU, the
-  // tensor aliases the memory mapping (no copy); the reader must then outlive the tensor.
+  // When the stored dtype already matches and the device is the CPU, the tensor aliases the
+  // read-only memory mapping (no copy).
   Status Take(const std::string& canonical, const std::vector<int64_t>& shape, DType dtype,
-              const std::string& device, at::Tensor* out);
-
-  // Fails, naming them, if tensors remain that were never taken and `ignorable` rejects.
-  Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const;
+              const std::string& device, at::Tensor* out) override;
+  Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const override;
 
   const std::string& dir() const { return dir_; }
 

@@ -33,7 +33,7 @@ TEST(Rotary, MatchesPairwiseRotation) {
   const double theta = 10000.0;
   at::Tensor inv =
       at::pow(theta, at::arange(0, hd, 2, at::kDouble) / double(hd)).reciprocal().to(at::kFloat);
-  at::Tensor got = ApplyRotary(x.to(at::kFloat), pos, inv).to(at::kDouble);
+  at::Tensor got = ApplyRotary(x.to(at::kFloat), MakeRotaryTable(pos, inv)).to(at::kDouble);
   auto xa = x.accessor<double, 3>();
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t h = 0; h < heads; ++h) {

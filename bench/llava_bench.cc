@@ -1,0 +1,214 @@
+// llava-bench: decoder throughput at LLaVA-1.5-7B layer shapes with random bf16 weights.
+//
+// Prints the machine's memory read bandwidth, prefill tokens/s for a 512-token prompt, decode
+// tokens/s at 1, 4 and 8 concurrent sequences (linear layers batched across sequences,
+// attention per sequence), and the decode "bandwidth floor": a batch-1 decode step must read
+// every decoder weight once, so tokens/s <= bandwidth / weight bytes. Medians of --reps runs.
+// The last line is `key=value` pairs for scripts.
+#include <ATen/ATen.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+#include "engine/weights.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Read bandwidth in bytes/s: a sum over a buffer far larger than the caches (best of runs).
+double MeasureReadBandwidth(int64_t bytes) {
+  at::Tensor buf = at::ones({bytes / 4}, at::kFloat);
+  double best = 0;
+  for (int i = 0; i < 7; ++i) {
+    const auto t0 = Clock::now();
+    volatile float s = buf.sum().item<float>();
+    (void)s;
+    best = std::max(best, bytes / Seconds(t0));
+  }
+  return best;
+}
+
+llava::LlavaConfig BenchConfig(int layers) {
+  llava::LlavaConfig c;
+  c.text.hidden_size = 4096;
+  c.text.num_attention_heads = 32;
+  c.text.num_key_value_heads = 32;
+  c.text.head_dim = 128;
+  c.text.intermediate_size = 11008;
+  c.text.vocab_size = 32064;
+  c.text.num_hidden_layers = layers;
+  c.text.max_position_embeddings = 4096;
+  // The vision tower is not measured here: keep it tiny.
+  c.vision.hidden_size = 64;
+  c.vision.intermediate_size = 128;
+  c.vision.num_hidden_layers = 2;
+  c.vision.num_attention_heads = 2;
+  c.vision.image_size = 28;
+  c.vision.patch_size = 14;
+  c.image_processor.shortest_edge = c.image_processor.crop_height = c.image_processor.crop_width =
+      28;
+  return c;
+}
+
+// Random weights for every tensor the model takes; matrices ~N(0, 0.02), norms 1.
+std::vector<std::pair<std::string, at::Tensor>> RandomWeights(const llava::LlavaConfig& c) {
+  std::vector<std::pair<std::string, at::Tensor>> w;
+  auto mat = [&](const std::string& n, std::vector<int64_t> shape) {
+    w.emplace_back(n, (at::randn(shape, at::kFloat) * 0.02).to(at::kBFloat16));
+  };
+  auto ones = [&](const std::string& n, int64_t d) {
+    w.emplace_back(n, at::ones({d}, at::kBFloat16));
+  };
+  auto zeros = [&](const std::string& n, int64_t d) {
+    w.emplace_back(n, at::zeros({d}, at::kBFloat16));
+  };
+  const auto& v = c.vision;
+  mat("vision.embeddings.patch_embedding.weight", {v.hidden_size, 3, v.patch_size, v.patch_size});
+  mat("vision.embeddings.class_embedding", {v.hidden_size});
+  mat("vision.embeddings.position_embedding.weight", {v.num_patches() + 1, v.hidden_size});
+  ones("vision.pre_layrnorm.weight", v.hidden_size);
+  zeros("vision.pre_layrnorm.bias", v.hidden_size);
+  for (int i = 0; i < c.vision_layers_needed(); ++i) {
+    const std::string p = "vision.encoder.layers." + std::to_string(i);
+    for (const char* ln : {".layer_norm1", ".layer_norm2"}) {
+      ones(p + ln + ".weight", v.hidden_size);
+      zeros(p + ln + ".bias", v.hidden_size);
+    }
+    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
+      mat(p + ".self_attn." + proj + ".weight", {v.hidden_size, v.hidden_size});
+      zeros(p + ".self_attn." + proj + ".bias", v.hidden_size);
+    }
+    mat(p + ".mlp.fc1.weight", {v.intermediate_size, v.hidden_size});
+    zeros(p + ".mlp.fc1.bias", v.intermediate_size);
+    mat(p + ".mlp.fc2.weight", {v.hidden_size, v.intermediate_size});
+    zeros(p + ".mlp.fc2.bias", v.hidden_size);
+  }
+  const auto& t = c.text;
+  const int64_t d = t.hidden_size, f = t.intermediate_size;
+  mat("projector.linear_1.weight", {d, v.hidden_size});
+  zeros("projector.linear_1.bias", d);
+  mat("projector.linear_2.weight", {d, d});
+  zeros("projector.linear_2.bias", d);
+  mat("lm.embed_tokens.weight", {t.vocab_size, d});
+  for (int i = 0; i < t.num_hidden_layers; ++i) {
+    const std::string p = "lm.layers." + std::to_string(i);
+    ones(p + ".input_layernorm.weight", d);
+    ones(p + ".post_attention_layernorm.weight", d);
+    for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
+      mat(p + ".self_attn." + proj + ".weight", {d, d});
+    }
+    mat(p + ".mlp.gate_proj.weight", {f, d});
+    mat(p + ".mlp.up_proj.weight", {f, d});
+    mat(p + ".mlp.down_proj.weight", {d, f});
+  }
+  ones("lm.norm.weight", d);
+  mat("lm_head.weight", {t.vocab_size, d});
+  return w;
+}
+
+// Bytes one decode step must read: decoder matrices, norms and lm_head (bf16).
+double DecodeWeightBytes(const llava::LlavaConfig& c) {
+  const double d = c.text.hidden_size, f = c.text.intermediate_size;
+  const double per_layer = 4 * d * d + 3 * d * f + 2 * d;
+  return 2.0 * (c.text.num_hidden_layers * per_layer + d + c.text.vocab_size * d);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Decoder benchmark at LLaVA-1.5-7B layer shapes (random bf16 weights)"};
+  int layers = 4, threads = 0, prompt = 512, reps = 5, steps = 16, context = 64;
+  std::vector<int> batches = {1, 4, 8};
+  app.add_option("--layers", layers, "decoder layers")->capture_default_str();
+  app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
+  app.add_option("--prompt", prompt, "prefill prompt length")->capture_default_str();
+  app.add_option("--reps", reps, "repetitions; medians are reported")->capture_default_str();
+  app.add_option("--steps", steps, "decode steps per repetition")->capture_default_str();
+  app.add_option("--context", context, "tokens in each sequence before decoding")
+      ->capture_default_str();
+  app.add_option("--batches", batches, "decode batch sizes")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  threads = llava::InitTorchThreads(threads);
+  at::manual_seed(0);
+
+  const double bandwidth = MeasureReadBandwidth(int64_t{1} << 30);
+  std::printf("threads=%d read_bandwidth=%.1f GB/s\n", threads, bandwidth / 1e9);
+
+  const llava::LlavaConfig config = BenchConfig(layers);
+  auto model_or = llava::LlavaModel::FromWeights(
+      config, llava::NewTensorMapSource(RandomWeights(config)), llava::ModelOptions());
+  if (!model_or.ok()) {
+    std::fprintf(stderr, "%s\n", model_or.status().ToString().c_str());
+    return 1;
+  }
+  const llava::LlavaModel& model = **model_or;
+  const int64_t vocab = config.text.vocab_size;
+
+  // Prefill: one prompt through a fresh cache.
+  std::vector<double> prefill;
+  for (int r = 0; r < std::max(2, reps / 2); ++r) {
+    auto cache = model.NewFullCache();
+    at::Tensor emb = model.Embed(at::randint(3, vocab, {prompt}, at::kLong));
+    const auto t0 = Clock::now();
+    model.Forward({{emb, 0, cache.get(), false}});
+    prefill.push_back(prompt / Seconds(t0));
+  }
+  const double prefill_tps = Median(prefill);
+  std::printf("prefill  prompt=%d  %.1f tokens/s\n", prompt, prefill_tps);
+
+  // Decode: `b` sequences of `context` tokens, then `steps` batched steps.
+  std::vector<std::pair<int, double>> decode;
+  for (int b : batches) {
+    std::vector<double> runs;
+    for (int r = 0; r < reps; ++r) {
+      std::vector<std::unique_ptr<llava::KvCache>> caches;
+      std::vector<llava::SequenceChunk> chunks(b);
+      for (int i = 0; i < b; ++i) {
+        caches.push_back(model.NewFullCache());
+        model.Forward({{model.Embed(at::randint(3, vocab, {context}, at::kLong)), 0,
+                        caches.back().get(), false}});
+      }
+      const auto t0 = Clock::now();
+      for (int s = 0; s < steps; ++s) {
+        at::Tensor ids = at::randint(3, vocab, {b}, at::kLong);
+        at::Tensor emb = model.Embed(ids);
+        for (int i = 0; i < b; ++i) {
+          chunks[i] = {emb.narrow(0, i, 1), caches[i]->NextPosition(), caches[i].get(), false};
+        }
+        at::Tensor logits = model.Forward(chunks);
+        (void)logits.argmax(-1);
+      }
+      runs.push_back(double(b) * steps / Seconds(t0));
+    }
+    decode.emplace_back(b, Median(runs));
+    std::printf("decode   batch=%d  %.1f tokens/s\n", b, decode.back().second);
+  }
+
+  const double weight_bytes = DecodeWeightBytes(config);
+  const double floor_tps = bandwidth / weight_bytes;
+  const double b1 = decode.empty() ? 0 : decode.front().second;
+  std::printf("bandwidth floor: %.1f tokens/s (%.2f GB of weights per token)\n", floor_tps,
+              weight_bytes / 1e9);
+  std::printf("layers=%d threads=%d prefill_tok_s=%.1f", layers, threads, prefill_tps);
+  for (const auto& [b, tps] : decode) std::printf(" decode_b%d_tok_s=%.1f", b, tps);
+  for (const auto& [b, tps] : decode) {
+    if (b != 1 && b1 > 0) std::printf(" speedup_b%d=%.2f", b, tps / b1);
+  }
+  std::printf(" bandwidth_gb_s=%.1f floor_tok_s=%.1f floor_fraction=%.2f\n", bandwidth / 1e9,
+              floor_tps, b1 / floor_tps);
+  return 0;
+}
