@@ -42,7 +42,7 @@ test-sanitize: build
 	  -DLLAVA_BUILD_BENCH=OFF
 	cmake --build $(BUILD)-asan -j$(JOBS) --target core_tests
 	LLAVA_TEST_DATA=$(abspath $(BUILD))/test-data UBSAN_OPTIONS=halt_on_error=1 \
-	  ./$(BUILD)-asan/tests/core_tests
+	  ./$(BUILD)-asan/core_tests
 
 format:
 	clang-format -i $(SOURCES)

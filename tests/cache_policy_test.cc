@@ -1,0 +1,153 @@
+#include "engine/cache_policy.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace llava {
+namespace {
+
+CacheParams Elastic(double gamma, int sinks = -1, int recent = 25) {
+  CacheParams p;
+  p.policy = CachePolicy::kElastic;
+  p.budget = gamma;
+  p.sink_tokens = sinks;
+  p.recent_distance = recent;
+  return p;
+}
+
+// T = 10, gamma = 0.5, one sink: K = 5 survivors, protected {0, 9}, anchors are the three
+// most important of positions 1..8: 4 (0.9), 6 (0.8), 8 (0.7).
+TEST(ElasticMerge, HandComputedTenTokens) {
+  const std::vector<float> importance = {9, 0.1f, 0.5f, 0.3f, 0.9f, 0.2f, 0.8f, 0.05f, 0.7f, 5};
+  MergePlan plan = PlanElasticMerge(importance, Elastic(0.5));
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 4, 6, 8, 9}));
+  // 1, 2, 3 -> anchor 4; 5 is equidistant from 4 and 6 -> the earlier, 4;
+  // 7 is equidistant from 6 and 8 -> 6.
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, 1, 1, 1, 1, 1, 2, 2, 3, 4}));
+  EXPECT_EQ(plan.merged, 5);
+  EXPECT_EQ(plan.dropped, 0);
+}
+
+TEST(ElasticMerge, TiesInImportancePreferTheEarlierPosition) {
+  const std::vector<float> importance(8, 1.0f);                 // all equal
+  MergePlan plan = PlanElasticMerge(importance, Elastic(0.5));  // K = 4: {0, 7} + 2 anchors
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 1, 2, 7}));
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, 1, 2, 2, 2, 2, 2, 3}));
+}
+
+TEST(ElasticMerge, NoAnchorsDropsTheUnprotected) {
+  const std::vector<float> importance = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  MergePlan plan = PlanElasticMerge(importance, Elastic(0.1));  // ceil(1) < 2 protected
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 9}));
+  EXPECT_EQ(plan.dropped, 8);
+  EXPECT_EQ(plan.merged, 0);
+}
+
+TEST(ElasticMerge, FullBudgetKeepsEverything) {
+  std::vector<float> importance = {3, 1, 2, 5, 4};
+  MergePlan plan = PlanElasticMerge(importance, Elastic(1.0));
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(plan.merged, 0);
+}
+
+TEST(ElasticMerge, PropertiesOverRandomInputs) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int64_t t = 1 + rng() % 80;
+    const double gamma = 0.05 + 0.95 * (rng() % 1000) / 1000.0;
+    const int sinks = rng() % 5;
+    std::vector<float> imp(t);
+    for (auto& x : imp) x = static_cast<float>(rng() % 50);
+    const CacheParams p = Elastic(gamma, sinks);
+    MergePlan plan = PlanElasticMerge(imp, p);
+    const int64_t expected =
+        std::min(t, std::max<int64_t>(std::min<int64_t>(t, sinks + 1), CeilBudget(gamma, t)));
+    ASSERT_EQ(static_cast<int64_t>(plan.kept.size()), expected) << t << " " << gamma;
+    ASSERT_TRUE(std::is_sorted(plan.kept.begin(), plan.kept.end()));
+    for (int64_t i = 0; i < std::min<int64_t>(sinks, t); ++i) ASSERT_EQ(plan.kept[i], i);
+    ASSERT_EQ(plan.kept.back(), t - 1);
+    int64_t folded = 0;
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t b = plan.bucket[i];
+      if (b < 0) continue;
+      // Protected positions are alone in their bucket; others join an anchor.
+      const int64_t anchor = plan.kept[b];
+      if (anchor != i) {
+        ++folded;
+        ASSERT_GE(anchor, sinks);
+        ASSERT_LT(anchor, t - 1);
+        // Nearest anchor: no kept unprotected position is strictly closer.
+        for (int64_t k : plan.kept) {
+          if (k < sinks || k == t - 1) continue;
+          ASSERT_GE(std::abs(k - i), std::abs(anchor - i));
+          if (std::abs(k - i) == std::abs(anchor - i)) ASSERT_LE(anchor, k);
+        }
+      }
+    }
+    ASSERT_EQ(folded, plan.merged);
+    ASSERT_EQ(plan.merged + plan.dropped + static_cast<int64_t>(plan.kept.size()), t);
+  }
+}
+
+TEST(FixedPoint, Formula) {
+  EXPECT_EQ(ElasticFixedPoint(5, Elastic(0.5)), 1);        // max(1, 5 - 25 + 1)
+  EXPECT_EQ(ElasticFixedPoint(5, Elastic(0.5, 1, 3)), 3);  // 5 - 3 + 1
+  EXPECT_EQ(ElasticFixedPoint(120, Elastic(0.2)), 96);     // 120 - 25 + 1
+  EXPECT_EQ(ElasticFixedPoint(10, Elastic(0.2, /*sinks=*/4, 25)), 4);
+}
+
+TEST(EntryTarget, MatchesDefinition) {
+  EXPECT_EQ(Elastic(0.2).EntryTarget(10), 2);
+  EXPECT_EQ(Elastic(0.2).EntryTarget(11), 3);
+  EXPECT_EQ(Elastic(0.1).EntryTarget(10), 2);  // protected: sink + newest
+  EXPECT_EQ(Elastic(0.1).EntryTarget(1), 1);
+  CacheParams full;
+  full.policy = CachePolicy::kFull;
+  full.budget = 0.1;
+  EXPECT_EQ(full.EntryTarget(10), 10);
+  EXPECT_EQ(CeilBudget(0.2, 10), 2);
+  EXPECT_EQ(CeilBudget(0.3, 10), 3);
+  EXPECT_EQ(CeilBudget(0.7, 10), 7);
+  EXPECT_EQ(CeilBudget(0.21, 10), 3);
+}
+
+TEST(StreamingLLM, KeepsSinksAndRecent) {
+  EXPECT_EQ(StreamingKeep(10, 6, 4), (std::vector<int64_t>{0, 1, 2, 3, 8, 9}));
+  EXPECT_EQ(StreamingKeep(10, 4, 4), (std::vector<int64_t>{0, 1, 2, 3}));
+  EXPECT_EQ(StreamingKeep(3, 6, 4), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(StreamingKeep(10, 5, 0), (std::vector<int64_t>{5, 6, 7, 8, 9}));
+}
+
+TEST(H2O, HeavyHittersAndRecentWindow) {
+  // target 5: recent 3 (7, 8, 9) + 2 heavy among 0..6: scores 0.9 at 2, 0.8 at 5.
+  const std::vector<float> s = {0.1f, 0.3f, 0.9f, 0.2f, 0.1f, 0.8f, 0.4f, 0.f, 0.f, 0.f};
+  EXPECT_EQ(H2OKeep(s, 5), (std::vector<int64_t>{2, 5, 7, 8, 9}));
+  // Victim outside the 3 most recent: lowest score, earlier on ties (0 and 4 both 0.1).
+  EXPECT_EQ(H2OVictim(s, 5), 0);
+  EXPECT_EQ(H2OVictim({0.5f, 0.2f, 0.2f, 0.f}, 2), 1);
+}
+
+TEST(CacheParams, ValidationNamesTheField) {
+  CacheParams p;
+  p.budget = 0;
+  EXPECT_NE(ValidateCacheParams(p).message().find("kv_cache.budget"), std::string::npos);
+  p.budget = 1.5;
+  EXPECT_FALSE(ValidateCacheParams(p).ok());
+  p.budget = std::nan("");
+  EXPECT_FALSE(ValidateCacheParams(p).ok());
+  p.budget = 0.5;
+  p.recent_distance = 0;
+  EXPECT_NE(ValidateCacheParams(p).message().find("kv_cache.recent_distance"), std::string::npos);
+  p.recent_distance = 25;
+  p.sink_tokens = -2;
+  EXPECT_NE(ValidateCacheParams(p).message().find("kv_cache.sink_tokens"), std::string::npos);
+  p.sink_tokens = 1;
+  EXPECT_TRUE(ValidateCacheParams(p).ok());
+  EXPECT_EQ(ParseCachePolicy("h2o").value(), CachePolicy::kH2O);
+  EXPECT_NE(ParseCachePolicy("lru").status().message().find("kv_cache.policy"), std::string::npos);
+  EXPECT_EQ(ParsePositionMode("compressed").value(), PositionMode::kCompressed);
+}
+
+}  // namespace
+}  // namespace llava
