@@ -1,6 +1,7 @@
 #include "engine/generator.h"
 
 #include <chrono>
+#include <cmath>
 
 #include "engine/llava_model.h"
 #include "engine/stop_strings.h"
@@ -45,6 +46,87 @@ StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
   return loaded;
 }
 
+double AnswerScore::Perplexity() const { return tokens > 0 ? std::exp(nll_sum / tokens) : 0.0; }
+
+StatusOr<PreparedRequest> Generator::Prepare(const GenerationRequest& req, int64_t reserve) const {
+  const LlavaConfig& cfg = m_.model->config();
+  LLAVA_RETURN_IF_ERROR(ValidateCacheParams(req.kv_cache));
+  PreparedRequest out;
+  out.num_images = static_cast<int>(req.images.size());
+  // Images: decode and preprocess before touching the model, so bad input fails fast.
+  for (size_t i = 0; i < req.images.size(); ++i) {
+    LLAVA_ASSIGN_OR_RETURN(RgbImage img, DecodeImage(req.images[i], limits_.image,
+                                                     "images[" + std::to_string(i) + "]"));
+    std::vector<float> p = PreprocessImage(img, cfg.image_processor);
+    out.pixels.insert(out.pixels.end(), p.begin(), p.end());
+  }
+  LLAVA_ASSIGN_OR_RETURN(
+      out.prompt, BuildPrompt(*m_.tokenizer, req.messages, out.num_images, cfg.image_token_index,
+                              cfg.image_tokens(), limits_.prompt));
+  const int64_t context = cfg.text.max_position_embeddings;
+  if (static_cast<int64_t>(out.prompt.ids.size()) + reserve > context) {
+    return InvalidArgument("the prompt (" + std::to_string(out.prompt.ids.size()) +
+                           " tokens) plus sampling.max_tokens (" + std::to_string(reserve) +
+                           ") exceeds the context length " + std::to_string(context));
+  }
+  return out;
+}
+
+at::Tensor Generator::Prefill(const PreparedRequest& prepared, KvCache* cache,
+                              double* vision_seconds) const {
+  const LlavaModel& model = *m_.model;
+  const int crop = model.config().vision.image_size;
+  at::Tensor features;
+  if (prepared.num_images > 0) {
+    const auto tv = std::chrono::steady_clock::now();
+    at::Tensor px = at::from_blob(const_cast<float*>(prepared.pixels.data()),
+                                  {prepared.num_images, 3, crop, crop}, at::kFloat);
+    features = model.EncodeImages(px);
+    if (vision_seconds != nullptr) *vision_seconds = SecondsSince(tv);
+  }
+  SequenceChunk chunk;
+  chunk.embeds = model.EmbedPrompt(prepared.prompt.ids, prepared.prompt.image_offsets, features);
+  chunk.start_position = cache->NextPosition();
+  chunk.cache = cache;
+  return model.Forward({chunk});
+}
+
+StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
+                                             const std::string& answer) {
+  const LlavaModel& model = *m_.model;
+  const Tokenizer& tok = *m_.tokenizer;
+  Tokenizer::EncodeOptions opt;
+  opt.dummy_prefix = false;
+  opt.parse_special = false;
+  std::vector<int> ids = tok.Encode(" " + answer, opt);
+  ids.push_back(tok.eos_id());
+  LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared, Prepare(req, static_cast<int64_t>(ids.size())));
+  AnswerScore score;
+  try {
+    std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache);
+    auto t0 = std::chrono::steady_clock::now();
+    at::Tensor logits = Prefill(prepared, cache.get(), nullptr);
+    score.prefill_seconds = SecondsSince(t0);
+    t0 = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      at::Tensor logp = at::log_softmax(logits[0], -1);
+      score.nll_sum -= logp[ids[i]].item<double>();
+      ++score.tokens;
+      if (i + 1 == ids.size()) break;
+      SequenceChunk chunk;
+      chunk.embeds = model.Embed(at::tensor({static_cast<int64_t>(ids[i])}, at::kLong));
+      chunk.start_position = cache->NextPosition();
+      chunk.cache = cache.get();
+      logits = model.Forward({chunk});
+    }
+    score.decode_seconds = SecondsSince(t0);
+    score.kv = cache->Stats();
+  } catch (const c10::Error& e) {
+    return Internal(std::string("model failure: ") + e.what_without_backtrace());
+  }
+  return score;
+}
+
 StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
                                                const TextCallback& on_text) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -52,45 +134,17 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
   const Tokenizer& tok = *m_.tokenizer;
   const LlavaConfig& cfg = model.config();
   LLAVA_RETURN_IF_ERROR(ValidateSamplingParams(req.sampling, limits_.max_tokens_limit));
-
-  // Images: decode and preprocess before touching the model, so bad input fails fast.
-  std::vector<float> pixels;
-  const int crop = cfg.vision.image_size;
-  for (size_t i = 0; i < req.images.size(); ++i) {
-    LLAVA_ASSIGN_OR_RETURN(RgbImage img, DecodeImage(req.images[i], limits_.image,
-                                                     "images[" + std::to_string(i) + "]"));
-    std::vector<float> p = PreprocessImage(img, cfg.image_processor);
-    pixels.insert(pixels.end(), p.begin(), p.end());
-  }
-  LLAVA_ASSIGN_OR_RETURN(PromptTokens prompt,
-                         BuildPrompt(tok, req.messages, static_cast<int>(req.images.size()),
-                                     cfg.image_token_index, cfg.image_tokens(), limits_.prompt));
-  const int64_t context = cfg.text.max_position_embeddings;
-  if (static_cast<int64_t>(prompt.ids.size()) + req.sampling.max_tokens > context) {
-    return InvalidArgument("the prompt (" + std::to_string(prompt.ids.size()) +
-                           " tokens) plus sampling.max_tokens (" +
-                           std::to_string(req.sampling.max_tokens) +
-                           ") exceeds the context length " + std::to_string(context));
-  }
+  LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared, Prepare(req, req.sampling.max_tokens));
+  const PromptTokens& prompt = prepared.prompt;
 
   GenerationResult result;
   result.prompt_tokens = static_cast<int>(prompt.ids.size());
   result.image_tokens = static_cast<int>(prompt.image_offsets.size()) * prompt.image_rows;
   try {
-    at::Tensor features;
-    if (!req.images.empty()) {
-      const auto tv = std::chrono::steady_clock::now();
-      at::Tensor px = at::from_blob(
-          pixels.data(), {static_cast<int64_t>(req.images.size()), 3, crop, crop}, at::kFloat);
-      features = model.EncodeImages(px);
-      result.vision_seconds = SecondsSince(tv);
-    }
-    std::unique_ptr<KvCache> cache = model.NewFullCache();
+    std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache);
+    at::Tensor logits = Prefill(prepared, cache.get(), &result.vision_seconds);
     SequenceChunk chunk;
-    chunk.embeds = model.EmbedPrompt(prompt.ids, prompt.image_offsets, features);
-    chunk.start_position = cache->NextPosition();
     chunk.cache = cache.get();
-    at::Tensor logits = model.Forward({chunk});  // [1, V]
 
     // Repetition penalty applies to the prompt's text tokens and everything generated.
     std::vector<int> history;

@@ -8,12 +8,17 @@
 #include <string>
 #include <vector>
 
+#include "engine/cache_policy.h"
 #include "engine/chat_template.h"
 #include "engine/image_io.h"
 #include "engine/kv_cache.h"
 #include "engine/sampler.h"
 #include "engine/status.h"
 #include "engine/tokenizer.h"
+
+namespace at {
+class Tensor;
+}
 
 namespace llava {
 
@@ -33,6 +38,7 @@ struct GenerationRequest {
   std::vector<ChatMessage> messages;
   std::vector<std::string> images;  // encoded image bytes, referenced by ContentPart::image_index
   SamplingParams sampling;
+  CacheParams kv_cache;  // default: Elastic at budget 1 (= Full)
 };
 
 struct EngineLimits {
@@ -58,6 +64,22 @@ struct GenerationResult {
 // Returns false to cancel generation.
 using TextCallback = std::function<bool(const std::string& delta)>;
 
+// Teacher-forced score of a reference answer under the request's cache policy.
+struct AnswerScore {
+  double nll_sum = 0;  // sum of -log p(token) over the answer tokens and the final EOS
+  int tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+  KvStats kv;  // after the last answer token
+  double Perplexity() const;
+};
+
+// A request checked and turned into model input.
+struct PreparedRequest {
+  PromptTokens prompt;
+  std::vector<float> pixels;  // [images, 3, S, S] preprocessed
+  int num_images = 0;
+};
+
 class Generator {
  public:
   // Borrows `loaded`; it must outlive the Generator.
@@ -68,7 +90,19 @@ class Generator {
   StatusOr<GenerationResult> Generate(const GenerationRequest& request,
                                       const TextCallback& on_text);
 
+  // Prefills the prompt (compressed by request.kv_cache), then feeds `answer` token by token
+  // as decode steps with the policy active, summing the negative log-likelihood of each answer
+  // token and of the closing EOS: the paper's PPL protocol.
+  StatusOr<AnswerScore> ScoreAnswer(const GenerationRequest& request, const std::string& answer);
+
+  // Validation, image decoding and prompt building; `reserve` tokens must fit after the
+  // prompt in the context.
+  StatusOr<PreparedRequest> Prepare(const GenerationRequest& request, int64_t reserve) const;
+
  private:
+  // Vision encoder + prefill into `cache`; returns the last row's logits [1, V] (fp32).
+  at::Tensor Prefill(const PreparedRequest& prepared, KvCache* cache, double* vision_seconds) const;
+
   const LoadedModel& m_;
   EngineLimits limits_;
 };

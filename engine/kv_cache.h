@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/cache_policy.h"
+
 namespace at {
 class Tensor;
 }
@@ -49,9 +51,12 @@ class KvCache {
   virtual at::Tensor Keys(int layer) const = 0;
   virtual at::Tensor Values(int layer) const = 0;
   virtual int64_t Length(int layer) const = 0;
+  // True token index of every stored entry of `layer` (a merged entry reports its anchor).
+  virtual const std::vector<int64_t>& Positions(int layer) const = 0;
 
   // Policies that score entries by attention return true for the layers they need; the model
-  // then hands them the softmax probabilities [heads, n_new, len] of that layer (only then).
+  // then hands them that layer's softmax probabilities [heads, rows, len], one block of query
+  // rows per call (the blocks of one forward pass add up to all n_new rows).
   virtual bool WantsAttentionProbs(int layer) const { return false; }
   virtual void ObserveAttention(int layer, const at::Tensor& probs) {}
 
@@ -67,5 +72,18 @@ class KvCache {
 // Keeps every entry. Storage (device and dtype of the first append) grows by doubling, so
 // appends are amortised O(new rows).
 std::unique_ptr<KvCache> NewFullKvCache(const KvLayout& layout);
+
+// The cache for `params` (validated by the caller): Full, or a compressing cache applying
+// Elastic / H2O / StreamingLLM (DESIGN.md section 4). Any policy at budget 1 is exactly Full
+// and gets the Full cache (no attention probabilities are materialised).
+std::unique_ptr<KvCache> NewKvCache(const KvLayout& layout, const CacheParams& params);
+
+// Always the policy's compressing cache, even at budget 1 (tests and evaluation use it to check
+// that budget 1 reproduces Full; Full itself gets the Full cache).
+std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CacheParams& params);
+
+// Elastic merge of one layer's rows: rows [Hkv, T, hd] -> [Hkv, plan.kept.size(), hd], each
+// kept entry the plain mean (computed in fp32) of the rows in its bucket.
+at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan);
 
 }  // namespace llava

@@ -265,14 +265,14 @@ at::Tensor LlavaModel::EmbedPrompt(const std::vector<int>& ids,
 }
 
 at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                           at::Tensor* probs_out) {
+                           const ProbsObserver* observer) {
   const int64_t n = q.size(0), h = q.size(1), hd = q.size(2);
   const int64_t hkv = keys.size(0), len = keys.size(1), g = h / hkv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   // Query heads sharing a KV head are stacked: [Hkv, G, n, hd].
   at::Tensor q4 = q.permute({1, 0, 2}).reshape({hkv, g, n, hd});
   at::Tensor keys_t = keys.transpose(1, 2);  // [Hkv, hd, L]
-  std::vector<at::Tensor> outs, probs_all;
+  std::vector<at::Tensor> outs;
   for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) {
     const int64_t bn = std::min(kQueryBlock, n - i0);
     at::Tensor qb = q4.narrow(2, i0, bn).reshape({hkv, g * bn, hd});
@@ -285,12 +285,9 @@ at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at
       scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
     }
     at::Tensor probs = at::softmax(scores, -1, at::kFloat);  // [Hkv, G, bn, L]
-    if (probs_out != nullptr) probs_all.push_back(probs.view({h, bn, len}));
+    if (observer != nullptr) (*observer)(i0, probs.view({h, bn, len}));
     outs.push_back(at::matmul(probs.to(values.scalar_type()).view({hkv, g * bn, len}), values)
                        .view({hkv, g, bn, hd}));
-  }
-  if (probs_out != nullptr) {
-    *probs_out = probs_all.size() == 1 ? probs_all[0] : at::cat(probs_all, 1);
   }
   at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 2);  // [Hkv, G, n, hd]
   return out.reshape({h, n, hd}).transpose(0, 1).reshape({n, h * hd});
@@ -303,10 +300,12 @@ at::Tensor LlavaModel::Attention(const at::Tensor& q, const at::Tensor& k_new,
   if (!cache->WantsAttentionProbs(layer)) {
     return CachedAttention(q, cache->Keys(layer), cache->Values(layer), nullptr);
   }
-  at::Tensor probs;
-  at::Tensor out = CachedAttention(q, cache->Keys(layer), cache->Values(layer), &probs);
-  cache->ObserveAttention(layer, probs);
-  return out;
+  // Each query block's probabilities go to the cache as they are computed, so at most
+  // [H, 256, len] of them exist at a time.
+  const ProbsObserver observe = [cache, layer](int64_t, const at::Tensor& probs) {
+    cache->ObserveAttention(layer, probs);
+  };
+  return CachedAttention(q, cache->Keys(layer), cache->Values(layer), &observe);
 }
 
 at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {

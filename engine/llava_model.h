@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -129,11 +130,15 @@ struct RotaryTable {
 RotaryTable MakeRotaryTable(const at::Tensor& positions, const at::Tensor& inv_freq);
 // x [n, heads, hd] -> rotated, same dtype.
 at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table);
+// Receives the softmax probabilities of query rows [first, first + rows): [H, rows, len], fp32.
+using ProbsObserver = std::function<void(int64_t first, const at::Tensor& probs)>;
+
 // Causal attention of n new queries against a cache of len >= n entries whose last n rows
 // belong to these queries (grouped KV heads allowed). q [n, H, hd]; keys, values [Hkv, len, hd].
-// Returns [n, H*hd]; `probs` (optional) receives the softmax probabilities [H, n, len] in fp32.
+// Returns [n, H*hd]. Queries run in blocks of 256; `observer` (optional) sees each block's
+// probabilities, so no more than one block's [H, 256, len] is ever materialised.
 at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                           at::Tensor* probs);
+                           const ProbsObserver* observer);
 // RMSNorm computed in fp32, result in x's dtype times weight: x [.., D], weight [D].
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 

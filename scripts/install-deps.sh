@@ -16,6 +16,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   sentencepiece                       # spm_train / spm_encode, run as separate processes only
   clang-format
+  gnuplot-nox                         # llava-eval's plots
 )
 
 missing=()

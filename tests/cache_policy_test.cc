@@ -81,7 +81,9 @@ TEST(ElasticMerge, PropertiesOverRandomInputs) {
         for (int64_t k : plan.kept) {
           if (k < sinks || k == t - 1) continue;
           ASSERT_GE(std::abs(k - i), std::abs(anchor - i));
-          if (std::abs(k - i) == std::abs(anchor - i)) ASSERT_LE(anchor, k);
+          if (std::abs(k - i) == std::abs(anchor - i)) {
+            ASSERT_LE(anchor, k);
+          }
         }
       }
     }

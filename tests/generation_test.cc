@@ -83,7 +83,9 @@ TEST_F(GenerationTest, GreedyMatchesRecomputingWithoutCache) {
   EXPECT_EQ(r->text, loaded_->tokenizer->Decode(r->tokens));
   EXPECT_EQ(r->image_tokens, loaded_->model->config().image_tokens());
   EXPECT_EQ(r->completion_tokens, static_cast<int>(r->tokens.size()));
-  if (r->finish == FinishReason::kLength) EXPECT_EQ(r->completion_tokens, 12);
+  if (r->finish == FinishReason::kLength) {
+    EXPECT_EQ(r->completion_tokens, 12);
+  }
   // The cache holds the prompt and every generated token but the last (never fed back).
   const int64_t fed =
       r->prompt_tokens + r->completion_tokens - (r->finish == FinishReason::kLength);

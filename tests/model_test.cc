@@ -54,9 +54,11 @@ TEST(Attention, MatchesNaiveLoopsWithCachedPrefixAndGroupedHeads) {
   at::Tensor q = at::randn({n, h, hd}, at::kDouble);
   at::Tensor k = at::randn({hkv, len, hd}, at::kDouble);
   at::Tensor v = at::randn({hkv, len, hd}, at::kDouble);
-  at::Tensor probs;
-  at::Tensor got =
-      CachedAttention(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), &probs).to(at::kDouble);
+  std::vector<at::Tensor> blocks;
+  const ProbsObserver collect = [&](int64_t, const at::Tensor& p) { blocks.push_back(p.clone()); };
+  at::Tensor got = CachedAttention(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), &collect)
+                       .to(at::kDouble);
+  at::Tensor probs = at::cat(blocks, 1);
   ASSERT_EQ(got.sizes(), (std::vector<int64_t>{n, h * hd}));
   ASSERT_EQ(probs.sizes(), (std::vector<int64_t>{h, n, len}));
   for (int64_t i = 0; i < n; ++i) {

@@ -43,6 +43,16 @@ int main(int argc, char** argv) {
   app.add_option("--seed", sp.seed, "sampling seed")->capture_default_str();
   app.add_option("--repetition-penalty", sp.repetition_penalty)->capture_default_str();
   app.add_option("--stop", sp.stop, "stop string (repeatable)");
+  std::string policy = "elastic", position_mode = "original";
+  llava::CacheParams kv;
+  app.add_option("--policy", policy, "KV cache policy: full | elastic | h2o | streaming_llm")
+      ->capture_default_str();
+  app.add_option("--budget", kv.budget, "KV budget ratio gamma in (0, 1]")->capture_default_str();
+  app.add_option("--recent-distance", kv.recent_distance, "Elastic fixed-point distance")
+      ->capture_default_str();
+  app.add_option("--sink-tokens", kv.sink_tokens, "protected first tokens (-1: policy default)")
+      ->capture_default_str();
+  app.add_option("--position-mode", position_mode, "original | compressed")->capture_default_str();
   app.add_option("--dtype", dtype, "bf16 | f32")->check(CLI::IsMember({"bf16", "f32"}));
   app.add_option("--device", device, "cpu | cuda[:i]")->capture_default_str();
   app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
@@ -60,6 +70,17 @@ int main(int argc, char** argv) {
   }
   llava::GenerationRequest req;
   req.sampling = sp;
+  auto parsed_policy = llava::ParseCachePolicy(policy);
+  auto parsed_mode = llava::ParsePositionMode(position_mode);
+  if (!parsed_policy.ok() || !parsed_mode.ok()) {
+    std::fprintf(
+        stderr, "error: %s\n",
+        (parsed_policy.ok() ? parsed_mode.status() : parsed_policy.status()).ToString().c_str());
+    return 1;
+  }
+  kv.policy = *parsed_policy;
+  kv.position_mode = *parsed_mode;
+  req.kv_cache = kv;
   if (!system_prompt.empty()) {
     req.messages.push_back({"system", {{llava::ContentPart::Kind::kText, system_prompt, 0}}});
   }
@@ -89,13 +110,16 @@ int main(int argc, char** argv) {
   if (show_stats) {
     const auto& r = *result;
     const double decode_s = r.total_seconds - r.ttft_seconds;
-    std::fprintf(stderr,
-                 "prompt_tokens=%d image_tokens=%d completion_tokens=%d finish=%s ttft_s=%.3f "
-                 "total_s=%.3f decode_tok_s=%.1f kv_bytes=%lld\n",
-                 r.prompt_tokens, r.image_tokens, r.completion_tokens,
-                 llava::FinishReasonName(r.finish), r.ttft_seconds, r.total_seconds,
-                 r.completion_tokens > 1 ? (r.completion_tokens - 1) / decode_s : 0.0,
-                 static_cast<long long>(r.kv.bytes_kept));
+    std::fprintf(
+        stderr,
+        "prompt_tokens=%d image_tokens=%d completion_tokens=%d finish=%s ttft_s=%.3f "
+        "total_s=%.3f decode_tok_s=%.1f kv_bytes=%lld kv_full_bytes=%lld merged=%lld "
+        "evicted=%lld\n",
+        r.prompt_tokens, r.image_tokens, r.completion_tokens, llava::FinishReasonName(r.finish),
+        r.ttft_seconds, r.total_seconds,
+        r.completion_tokens > 1 ? (r.completion_tokens - 1) / decode_s : 0.0,
+        static_cast<long long>(r.kv.bytes_kept), static_cast<long long>(r.kv.full_equivalent_bytes),
+        static_cast<long long>(r.kv.tokens_merged), static_cast<long long>(r.kv.tokens_evicted));
   }
   return 0;
 }

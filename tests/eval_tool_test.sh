@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# llava-eval end to end on the tiny checkpoint: the table, CSV, JSON and plots are written, and
+# every policy at budget 1 reproduces Full exactly (same PPL, ROUGE-L 1 against Full).
+set -euo pipefail
+eval_bin=$1 model=$2 dataset=$3 out=$4
+rm -rf "$out"
+"$eval_bin" --model "$model" --dataset "$dataset" --out "$out" --budgets 1.0,0.5,0.2 \
+  --max-tokens 8 --dtype f32 --threads 2 > "$out.stdout"
+cat "$out.stdout"
+csv="$out/results.csv"
+test -s "$out/results.json"
+rows=$(($(wc -l < "$csv") - 1))
+[ "$rows" -eq 10 ] || { echo "expected 10 result rows (full + 3 policies x 3 budgets), got $rows"; exit 1; }
+full_ppl=$(awk -F, '$1=="full"{print $4}' "$csv")
+awk -F, -v ppl="$full_ppl" 'NR>1 && $2=="1.00" {
+    if ($4 != ppl) { print "budget 1 PPL differs from Full: " $0; bad=1 }
+    if ($5 != "1.0000") { print "budget 1 ROUGE-L is not 1: " $0; bad=1 } }
+  NR>1 && $2!="1.00" && $7 >= 1.0 { print "compressed run kept all bytes: " $0; bad=1 }
+  END { exit bad }' "$csv"
+if command -v gnuplot > /dev/null; then
+  test -s "$out/ppl_vs_budget.png" && test -s "$out/rouge_vs_budget.png"
+fi
+echo "eval tool test passed"

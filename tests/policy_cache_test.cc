@@ -1,0 +1,212 @@
+// The policies' tensor side on the tiny checkpoint: merge values, eviction slots, lengths,
+// accounting, and budget 1 == Full.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "engine/generator.h"
+#include "engine/kv_cache.h"
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+#include "tests/test_util.h"
+
+namespace llava {
+namespace {
+
+CacheParams Params(CachePolicy policy, double gamma, int recent = 25, int sinks = -1) {
+  CacheParams p;
+  p.policy = policy;
+  p.budget = gamma;
+  p.recent_distance = recent;
+  p.sink_tokens = sinks;
+  return p;
+}
+
+TEST(MergeRows, AveragesEachBucket) {
+  // The hand-computed plan of cache_policy_test (T = 10, gamma = 0.5): kept {0, 4, 6, 8, 9};
+  // buckets 1,2,3,4,5 -> 4 and 6,7 -> 6. Row i holds the value i (head 0) and 10 i (head 1).
+  MergePlan plan;
+  plan.kept = {0, 4, 6, 8, 9};
+  plan.bucket = {0, 1, 1, 1, 1, 1, 2, 2, 3, 4};
+  at::Tensor rows = at::arange(10, at::kFloat).view({1, 10, 1}).repeat({2, 1, 3});
+  rows[1].mul_(10);
+  at::Tensor merged = MergeRows(rows.to(at::kBFloat16), plan).to(at::kFloat);
+  ASSERT_EQ(merged.sizes(), (std::vector<int64_t>{2, 5, 3}));
+  const float expected[5] = {0, 3, 6.5f, 8, 9};  // mean(1..5) = 3, mean(6, 7) = 6.5
+  for (int j = 0; j < 5; ++j) {
+    EXPECT_FLOAT_EQ(merged[0][j][2].item<float>(), expected[j]);
+    EXPECT_FLOAT_EQ(merged[1][j][0].item<float>(), 10 * expected[j]);
+  }
+}
+
+class PolicyCacheTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    InitTorchThreads(2);
+    ModelOptions o;
+    o.dtype = DType::kF32;
+    auto m = LlavaModel::Load(::llava::testing::TestData() + "/tiny-new", o);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    model_ = std::move(m).value().release();
+  }
+  static void TearDownTestSuite() { delete model_; }
+
+  static at::Tensor Ids(int64_t n, int seed) {
+    at::manual_seed(seed);
+    return at::randint(3, model_->config().text.vocab_size, {n}, at::kLong);
+  }
+  // Prefill `prompt`, then feed `steps` tokens one by one; returns the logits of every step
+  // and calls `check` after each forward pass.
+  static at::Tensor Run(KvCache* cache, const at::Tensor& prompt, const at::Tensor& steps,
+                        const std::function<void(int64_t)>& check = nullptr) {
+    std::vector<at::Tensor> out = {model_->Forward({{model_->Embed(prompt), 0, cache, false}})};
+    if (check) check(prompt.size(0));
+    for (int64_t i = 0; i < steps.size(0); ++i) {
+      out.push_back(model_->Forward(
+          {{model_->Embed(steps.narrow(0, i, 1)), cache->NextPosition(), cache, false}}));
+      if (check) check(prompt.size(0) + i + 1);
+    }
+    return at::cat(out, 0);
+  }
+  static LlavaModel* model_;
+};
+LlavaModel* PolicyCacheTest::model_ = nullptr;
+
+TEST_F(PolicyCacheTest, BudgetOneEqualsFullForEveryPolicy) {
+  at::Tensor prompt = Ids(30, 1), steps = Ids(12, 2);
+  auto full = NewFullKvCache(model_->kv_layout());
+  at::Tensor ref = Run(full.get(), prompt, steps);
+  for (CachePolicy p : {CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM}) {
+    auto cache = NewPolicyKvCache(model_->kv_layout(), Params(p, 1.0));
+    at::Tensor got = Run(cache.get(), prompt, steps);
+    EXPECT_TRUE(at::equal(got, ref)) << CachePolicyName(p);
+    EXPECT_EQ(cache->Length(0), 42);
+  }
+}
+
+TEST_F(PolicyCacheTest, LengthAndBytesFollowTheBudgetEveryStep) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 12; ++trial) {
+    const CachePolicy policy = trial % 3 == 0   ? CachePolicy::kElastic
+                               : trial % 3 == 1 ? CachePolicy::kH2O
+                                                : CachePolicy::kStreamingLLM;
+    const double gamma = 0.1 + 0.8 * (rng() % 100) / 100.0;
+    const int64_t t = 8 + rng() % 40, steps = 1 + rng() % 20;
+    const CacheParams params = Params(policy, gamma, 1 + rng() % 10, rng() % 3);
+    auto cache = NewKvCache(model_->kv_layout(), params);
+    Run(cache.get(), Ids(t, trial), Ids(steps, 100 + trial), [&](int64_t n) {
+      const KvStats s = cache->Stats();
+      for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
+        ASSERT_EQ(cache->Length(l), params.EntryTarget(n))
+            << CachePolicyName(policy) << " gamma " << gamma << " n " << n;
+        ASSERT_EQ(static_cast<int64_t>(cache->Positions(l).size()), cache->Length(l));
+        ASSERT_TRUE(std::is_sorted(cache->Positions(l).begin(), cache->Positions(l).end()));
+        for (int64_t i = 0; i < std::min<int64_t>(params.sinks(), n); ++i) {
+          ASSERT_EQ(cache->Positions(l)[i], i) << "sink " << i << " must survive";
+        }
+      }
+      ASSERT_EQ(s.tokens_seen, n);
+      ASSERT_EQ(s.bytes_kept, model_->kv_layout().num_layers * params.EntryTarget(n) *
+                                  model_->kv_layout().bytes_per_entry());
+      ASSERT_EQ(s.full_equivalent_bytes,
+                model_->kv_layout().num_layers * n * model_->kv_layout().bytes_per_entry());
+    });
+  }
+}
+
+// Elastic decoding evicts exactly the entry at N_tl, every time, in every layer; entries
+// before N_tl never change after the merge.
+TEST_F(PolicyCacheTest, ElasticEvictsAtTheFixedPoint) {
+  const CacheParams params = Params(CachePolicy::kElastic, 0.3, /*recent=*/4);
+  auto cache = NewKvCache(model_->kv_layout(), params);
+  const int64_t t = 40;
+  std::vector<std::vector<int64_t>> before;
+  int64_t fixed_point = -1, evictions = 0;
+  Run(cache.get(), Ids(t, 7), Ids(30, 8), [&](int64_t n) {
+    const int layers = model_->kv_layout().num_layers;
+    if (n == t) {
+      fixed_point = ElasticFixedPoint(cache->Length(0), params);  // S0 - 4 + 1
+      EXPECT_EQ(fixed_point, params.EntryTarget(t) - 3);
+      for (int l = 0; l < layers; ++l) {
+        EXPECT_EQ(cache->Positions(l).front(), 0);     // BOS sink
+        EXPECT_EQ(cache->Positions(l).back(), t - 1);  // last prompt token
+      }
+    } else {
+      for (int l = 0; l < layers; ++l) {
+        std::vector<int64_t> expected = before[l];
+        expected.push_back(n - 1);
+        if (static_cast<int64_t>(expected.size()) > params.EntryTarget(n)) {
+          expected.erase(expected.begin() + fixed_point);
+          if (l == 0) ++evictions;
+        }
+        EXPECT_EQ(cache->Positions(l), expected) << "layer " << l << " n " << n;
+      }
+    }
+    before.clear();
+    for (int l = 0; l < layers; ++l) before.push_back(cache->Positions(l));
+  });
+  EXPECT_GT(evictions, 15);
+  EXPECT_EQ(cache->Stats().tokens_evicted, evictions);
+  EXPECT_EQ(cache->Stats().tokens_merged, t - params.EntryTarget(t));
+}
+
+TEST_F(PolicyCacheTest, StreamingKeepsSinksAndTheRecentWindow) {
+  const CacheParams params = Params(CachePolicy::kStreamingLLM, 0.25);  // 4 sinks
+  auto cache = NewKvCache(model_->kv_layout(), params);
+  Run(cache.get(), Ids(40, 9), Ids(8, 10), [&](int64_t n) {
+    const int64_t target = params.EntryTarget(n);
+    std::vector<int64_t> expected = {0, 1, 2, 3};
+    for (int64_t p = n - (target - 4); p < n; ++p) expected.push_back(p);
+    EXPECT_EQ(cache->Positions(0), expected) << "n " << n;
+  });
+}
+
+TEST_F(PolicyCacheTest, H2OKeepsTheRecentHalfOfTheBudget) {
+  const CacheParams params = Params(CachePolicy::kH2O, 0.3);
+  auto cache = NewKvCache(model_->kv_layout(), params);
+  Run(cache.get(), Ids(40, 11), Ids(10, 12), [&](int64_t n) {
+    const int64_t target = params.EntryTarget(n), recent = target - target / 2;
+    for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
+      const auto& pos = cache->Positions(l);
+      for (int64_t i = 0; i < recent; ++i) EXPECT_EQ(pos[pos.size() - 1 - i], n - 1 - i);
+    }
+  });
+}
+
+TEST_F(PolicyCacheTest, CompressedPositionModeFeedsAtTheCacheLength) {
+  CacheParams params = Params(CachePolicy::kElastic, 0.5);
+  params.position_mode = PositionMode::kCompressed;
+  auto cache = NewKvCache(model_->kv_layout(), params);
+  Run(cache.get(), Ids(20, 13), Ids(1, 14));
+  EXPECT_EQ(cache->NextPosition(), cache->Length(0));
+  EXPECT_LT(cache->NextPosition(), 21);
+}
+
+TEST_F(PolicyCacheTest, ElasticGenerationAcrossBudgets) {
+  auto loaded = LoadModel(::llava::testing::TestData() + "/tiny-new", ModelOptions());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  Generator gen(**loaded, EngineLimits{});
+  GenerationRequest req;
+  req.messages = {{"user", {{ContentPart::Kind::kText, "describe the picture in detail", 0}}}};
+  req.sampling.max_tokens = 16;
+  for (double gamma : {0.1, 0.2, 0.3, 0.5, 0.8, 1.0}) {
+    req.kv_cache = Params(CachePolicy::kElastic, gamma);
+    auto r = gen.Generate(req, nullptr);
+    ASSERT_TRUE(r.ok()) << gamma << ": " << r.status().ToString();
+    const KvLayout layout = (*loaded)->model->kv_layout();
+    for (int64_t e : r->kv.entries_per_layer)
+      EXPECT_EQ(e, req.kv_cache.EntryTarget(r->kv.tokens_seen));
+    EXPECT_EQ(r->kv.bytes_kept,
+              layout.num_layers * r->kv.entries_per_layer[0] * layout.bytes_per_entry());
+    if (gamma < 1.0) {
+      EXPECT_LT(r->kv.bytes_kept, r->kv.full_equivalent_bytes);
+    }
+  }
+  req.kv_cache.budget = 0;
+  auto bad = gen.Generate(req, nullptr);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("kv_cache.budget"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace llava

@@ -1,0 +1,283 @@
+// llava-eval: what cache policies cost in quality and save in memory.
+//
+// For every sample of a JSONL dataset and every policy x budget:
+//   PPL      of the reference answer, teacher-forced through the compressed cache (prefill
+//            compressed by the policy, answer tokens fed as decode steps with eviction active);
+//   ROUGE-L  F1 of the policy's greedy answer against the Full policy's greedy answer;
+//   accuracy exact match against the short answer, where the sample has one;
+//   KV bytes kept / full-equivalent, prefill time, decode time per token.
+// Writes a table to stdout, results.csv, results.json and (with gnuplot) two PNG plots.
+//
+// Dataset lines: {"image": "a.png" | "images": [..], "prompt": "question" |
+//                 "conversation": [{"role": "user", "content": "..."}, ...],
+//                 "answer": "reference answer", "short_answer": "optional"}
+// Image paths are relative to the dataset file. Images attach to the first user turn.
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/eval_metrics.h"
+#include "engine/generator.h"
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+
+namespace {
+
+using llava::CacheParams;
+using llava::CachePolicy;
+using llava::ContentPart;
+
+struct Sample {
+  llava::GenerationRequest request;
+  std::string answer, short_answer;
+};
+
+bool ReadFile(const std::string& path, std::string* out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int limit) {
+  std::ifstream in(path);
+  if (!in) return llava::NotFound(path + ": cannot open dataset");
+  const std::string dir =
+      path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/'));
+  std::vector<Sample> out;
+  std::string line;
+  for (int lineno = 1; std::getline(in, line); ++lineno) {
+    if (line.empty()) continue;
+    if (limit > 0 && static_cast<int>(out.size()) >= limit) break;
+    const std::string where = path + ":" + std::to_string(lineno);
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_object()) return llava::InvalidArgument(where + ": not a JSON object");
+    if (!j.contains("answer") || !j["answer"].is_string()) {
+      return llava::InvalidArgument(where + ": \"answer\" (string) is required");
+    }
+    Sample s;
+    s.answer = j["answer"];
+    if (j.contains("short_answer") && j["short_answer"].is_string())
+      s.short_answer = j["short_answer"];
+    std::vector<std::string> images;
+    if (j.contains("image") && j["image"].is_string()) images.push_back(j["image"]);
+    if (j.contains("images") && j["images"].is_array()) {
+      for (const auto& i : j["images"]) images.push_back(i.get<std::string>());
+    }
+    for (const auto& rel : images) {
+      std::string bytes;
+      const std::string p = rel.rfind('/', 0) == 0 ? rel : dir + "/" + rel;
+      if (!ReadFile(p, &bytes)) return llava::NotFound(where + ": image " + p + " not found");
+      s.request.images.push_back(std::move(bytes));
+    }
+    std::vector<std::pair<std::string, std::string>> turns;
+    if (j.contains("conversation") && j["conversation"].is_array()) {
+      for (const auto& t : j["conversation"]) {
+        if (!t.contains("role") || !t.contains("content")) {
+          return llava::InvalidArgument(where + ": conversation turns need role and content");
+        }
+        turns.emplace_back(t["role"].get<std::string>(), t["content"].get<std::string>());
+      }
+    } else if (j.contains("prompt") && j["prompt"].is_string()) {
+      turns.emplace_back("user", j["prompt"].get<std::string>());
+    } else {
+      return llava::InvalidArgument(where + ": \"prompt\" or \"conversation\" is required");
+    }
+    bool images_attached = false;
+    for (const auto& [role, text] : turns) {
+      llava::ChatMessage m{role, {}};
+      if (role == "user" && !images_attached) {
+        for (size_t i = 0; i < images.size(); ++i) {
+          m.content.push_back({ContentPart::Kind::kImage, "", static_cast<int>(i)});
+        }
+        images_attached = true;
+      }
+      m.content.push_back({ContentPart::Kind::kText, text, 0});
+      s.request.messages.push_back(std::move(m));
+    }
+    out.push_back(std::move(s));
+  }
+  if (out.empty()) return llava::InvalidArgument(path + ": no samples");
+  return out;
+}
+
+struct Cell {  // one policy x budget, accumulated over samples
+  double nll = 0, rouge = 0, kv_ratio = 0, prefill_s = 0, decode_s = 0;
+  int64_t tokens = 0, decode_tokens = 0;
+  int samples = 0, with_short = 0, correct = 0;
+  double Ppl() const { return tokens ? std::exp(nll / tokens) : 0; }
+  double Accuracy() const { return with_short ? double(correct) / with_short : NAN; }
+};
+
+void WritePlots(const std::string& out, const std::map<std::pair<std::string, double>, Cell>& cells,
+                const std::vector<std::string>& policies, const std::vector<double>& budgets) {
+  if (std::system("command -v gnuplot > /dev/null 2>&1") != 0) {
+    std::fprintf(stderr, "gnuplot not found: skipping the plots\n");
+    return;
+  }
+  for (const auto& p : policies) {
+    std::ofstream dat(out + "/" + p + ".dat");
+    for (double b : budgets) {
+      auto key = std::make_pair(p, p == "full" ? 1.0 : b);
+      auto it = cells.find(key);
+      if (it == cells.end()) continue;
+      dat << b << " " << it->second.Ppl() << " " << it->second.rouge / it->second.samples << "\n";
+    }
+  }
+  std::ofstream gp(out + "/plot.gp");
+  gp << "set terminal png size 800,520 noenhanced\nset grid\nset xlabel 'KV budget (fraction of "
+        "the full cache)'\n"
+        "set key outside right\nset xrange [0:1.05]\n";
+  auto plot = [&](const char* file, const char* ylabel, int col) {
+    gp << "set output '" << out << "/" << file << "'\nset ylabel '" << ylabel << "'\nplot ";
+    for (size_t i = 0; i < policies.size(); ++i) {
+      gp << (i ? ", " : "") << "'" << out << "/" << policies[i] << ".dat' using 1:" << col
+         << " with linespoints lw 2 title '" << policies[i] << "'";
+    }
+    gp << "\n";
+  };
+  plot("ppl_vs_budget.png", "perplexity of the reference answer", 2);
+  plot("rouge_vs_budget.png", "ROUGE-L vs the Full answer", 3);
+  gp.close();
+  if (std::system(("gnuplot '" + out + "/plot.gp'").c_str()) != 0) {
+    std::fprintf(stderr, "gnuplot failed\n");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Quality and memory of KV-cache policies (PPL, ROUGE-L, accuracy, bytes)"};
+  std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, dataset, out = "eval-out", dtype = "bf16";
+  std::vector<std::string> policies = {"full", "elastic", "h2o", "streaming_llm"};
+  std::vector<double> budgets = {1.0, 0.8, 0.5, 0.3, 0.2, 0.1};
+  int max_tokens = 64, threads = 0, limit = 0, recent_distance = 25;
+  app.add_option("--model", model_dir, "llava-hf model folder")->capture_default_str();
+  app.add_option("--dataset", dataset, "JSONL dataset")->required();
+  app.add_option("--policies", policies, "policies to sweep")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--budgets", budgets, "budgets to sweep")->delimiter(',')->capture_default_str();
+  app.add_option("--max-tokens", max_tokens, "greedy answer length limit")->capture_default_str();
+  app.add_option("--recent-distance", recent_distance, "Elastic fixed-point distance")
+      ->capture_default_str();
+  app.add_option("--limit", limit, "use only the first N samples (0 = all)");
+  app.add_option("--out", out, "output folder")->capture_default_str();
+  app.add_option("--dtype", dtype, "bf16 | f32")->check(CLI::IsMember({"bf16", "f32"}));
+  app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
+  CLI11_PARSE(app, argc, argv);
+  llava::InitTorchThreads(threads);
+
+  llava::ModelOptions options;
+  options.dtype = dtype == "f32" ? llava::DType::kF32 : llava::DType::kBF16;
+  auto loaded = llava::LoadModel(model_dir, options);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "error: %s\n", loaded.status().ToString().c_str());
+    return 1;
+  }
+  auto samples = LoadDataset(dataset, limit);
+  if (!samples.ok()) {
+    std::fprintf(stderr, "error: %s\n", samples.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<CachePolicy> parsed;
+  for (const auto& p : policies) {
+    auto pp = llava::ParseCachePolicy(p);
+    if (!pp.ok()) {
+      std::fprintf(stderr, "error: %s\n", pp.status().ToString().c_str());
+      return 1;
+    }
+    parsed.push_back(*pp);
+  }
+  for (size_t i = 0; i < parsed.size(); ++i) policies[i] = llava::CachePolicyName(parsed[i]);
+  llava::Generator gen(**loaded, llava::EngineLimits{});
+  std::map<std::pair<std::string, double>, Cell> cells;
+  std::vector<std::pair<std::string, double>> order;
+
+  for (size_t si = 0; si < samples->size(); ++si) {
+    Sample& s = (*samples)[si];
+    s.request.sampling.max_tokens = max_tokens;
+    s.request.kv_cache.policy = CachePolicy::kFull;
+    auto full = gen.Generate(s.request, nullptr);
+    if (!full.ok()) {
+      std::fprintf(stderr, "sample %zu: %s\n", si, full.status().ToString().c_str());
+      return 1;
+    }
+    for (size_t pi = 0; pi < parsed.size(); ++pi) {
+      for (double b : budgets) {
+        if (parsed[pi] == CachePolicy::kFull && b != budgets.front()) continue;
+        const double budget = parsed[pi] == CachePolicy::kFull ? 1.0 : b;
+        CacheParams kv;
+        kv.policy = parsed[pi];
+        kv.budget = budget;
+        kv.recent_distance = recent_distance;
+        s.request.kv_cache = kv;
+        auto score = gen.ScoreAnswer(s.request, s.answer);
+        auto answer = gen.Generate(s.request, nullptr);
+        if (!score.ok() || !answer.ok()) {
+          std::fprintf(stderr, "sample %zu: %s\n", si,
+                       (score.ok() ? answer.status() : score.status()).ToString().c_str());
+          return 1;
+        }
+        const auto key = std::make_pair(std::string(llava::CachePolicyName(parsed[pi])), budget);
+        if (!cells.count(key)) order.push_back(key);
+        Cell& c = cells[key];
+        c.nll += score->nll_sum;
+        c.tokens += score->tokens;
+        c.rouge += llava::RougeL(answer->text, full->text);
+        c.kv_ratio += double(score->kv.bytes_kept) / score->kv.full_equivalent_bytes;
+        c.prefill_s += score->prefill_seconds;
+        c.decode_s += score->decode_seconds;
+        c.decode_tokens += std::max(0, score->tokens - 1);
+        ++c.samples;
+        if (!s.short_answer.empty()) {
+          ++c.with_short;
+          c.correct += llava::ExactMatch(answer->text, s.short_answer);
+        }
+      }
+    }
+    std::fprintf(stderr, "\rsample %zu/%zu", si + 1, samples->size());
+  }
+  std::fprintf(stderr, "\n");
+
+  if (std::system(("mkdir -p '" + out + "'").c_str()) != 0) return 1;
+  std::ofstream csv(out + "/results.csv");
+  csv << "policy,budget,samples,ppl,rouge_l,accuracy,kv_bytes_ratio,prefill_ms,decode_ms_per_"
+         "token\n";
+  nlohmann::ordered_json json = nlohmann::ordered_json::array();
+  std::printf("%-14s %6s %9s %8s %8s %9s %11s %12s\n", "policy", "budget", "ppl", "rouge_l",
+              "accuracy", "kv_ratio", "prefill_ms", "decode_ms/t");
+  for (const auto& key : order) {
+    const Cell& c = cells[key];
+    const double rouge = c.rouge / c.samples, ratio = c.kv_ratio / c.samples;
+    const double prefill_ms = 1e3 * c.prefill_s / c.samples;
+    const double decode_ms = c.decode_tokens ? 1e3 * c.decode_s / c.decode_tokens : 0;
+    std::printf("%-14s %6.2f %9.3f %8.3f %8.3f %9.3f %11.1f %12.2f\n", key.first.c_str(),
+                key.second, c.Ppl(), rouge, c.Accuracy(), ratio, prefill_ms, decode_ms);
+    char line[256];
+    std::snprintf(line, sizeof(line), "%s,%.2f,%d,%.4f,%.4f,%.4f,%.4f,%.2f,%.3f\n",
+                  key.first.c_str(), key.second, c.samples, c.Ppl(), rouge, c.Accuracy(), ratio,
+                  prefill_ms, decode_ms);
+    csv << line;
+    json.push_back({{"policy", key.first},
+                    {"budget", key.second},
+                    {"samples", c.samples},
+                    {"ppl", c.Ppl()},
+                    {"rouge_l", rouge},
+                    {"accuracy", std::isnan(c.Accuracy()) ? nlohmann::ordered_json()
+                                                          : nlohmann::ordered_json(c.Accuracy())},
+                    {"kv_bytes_ratio", ratio},
+                    {"prefill_ms", prefill_ms},
+                    {"decode_ms_per_token", decode_ms}});
+  }
+  std::ofstream(out + "/results.json") << json.dump(2) << "\n";
+  WritePlots(out, cells, policies, budgets);
+  std::printf("wrote %s/results.csv, results.json and plots\n", out.c_str());
+  return 0;
+}
