@@ -14,6 +14,7 @@
 
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
+#include "engine/kv_cache.h"
 #include "engine/weights.h"
 
 namespace {
@@ -127,6 +128,61 @@ double DecodeWeightBytes(const llava::LlavaConfig& c) {
   return 2.0 * (c.text.num_hidden_layers * per_layer + d + c.text.vocab_size * d);
 }
 
+// Elastic Cache's costs and savings at 7B layer shapes (issue 3): prefill overhead (importance
+// from the attention probabilities + merge) on a LLaVA-sized prompt, and the decode step time
+// with a long context, Elastic at gamma = 0.2 vs Full.
+void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int steps, int reps,
+                 double gamma) {
+  const int64_t vocab = model.config().text.vocab_size;
+  llava::CacheParams elastic;
+  elastic.policy = llava::CachePolicy::kElastic;
+  elastic.budget = gamma;
+  auto time_prefill = [&](const llava::CacheParams& p, const at::Tensor& emb) {
+    auto cache = llava::NewKvCache(model.kv_layout(), p);
+    const auto t0 = Clock::now();
+    model.Forward({{emb, 0, cache.get(), false}});
+    return Seconds(t0);
+  };
+  std::vector<double> full_s, elastic_s;
+  for (int r = 0; r < reps; ++r) {
+    at::Tensor emb = model.Embed(at::randint(3, vocab, {prompt}, at::kLong));
+    full_s.push_back(time_prefill(llava::CacheParams{llava::CachePolicy::kFull}, emb));
+    elastic_s.push_back(time_prefill(elastic, emb));
+  }
+  const double pf = Median(full_s), pe = Median(elastic_s);
+  std::printf("prefill  prompt=%d  full %.3f s  elastic(%.2f) %.3f s  overhead %.1f%%\n", prompt,
+              pf, gamma, pe, 100 * (pe / pf - 1));
+
+  // Decode at `context` cached tokens: prefill once per policy, then time single steps.
+  at::Tensor ctx = model.Embed(at::randint(3, vocab, {context}, at::kLong));
+  double step_s[2] = {0, 0};
+  int64_t bytes[2] = {0, 0}, full_bytes = 0;
+  for (int k = 0; k < 2; ++k) {
+    auto cache = llava::NewKvCache(model.kv_layout(),
+                                   k == 0 ? llava::CacheParams{llava::CachePolicy::kFull} : elastic);
+    model.Forward({{ctx, 0, cache.get(), false}});
+    std::vector<double> runs;
+    for (int s = 0; s < steps; ++s) {
+      at::Tensor e = model.Embed(at::randint(3, vocab, {1}, at::kLong));
+      const auto t0 = Clock::now();
+      model.Forward({{e, cache->NextPosition(), cache.get(), false}});
+      runs.push_back(Seconds(t0));
+    }
+    step_s[k] = Median(runs);
+    bytes[k] = cache->Stats().bytes_kept;
+    full_bytes = cache->Stats().full_equivalent_bytes;
+  }
+  std::printf("decode   context=%d  full %.1f ms/step  elastic(%.2f) %.1f ms/step  ratio %.3f\n",
+              context, 1e3 * step_s[0], gamma, 1e3 * step_s[1], step_s[1] / step_s[0]);
+  std::printf("kv bytes full %.1f MB  elastic %.1f MB  kept/full %.4f (gamma %.2f)\n",
+              bytes[0] / 1e6, bytes[1] / 1e6, double(bytes[1]) / full_bytes, gamma);
+  std::printf("suite=policies layers=%d prompt=%d prefill_full_s=%.3f prefill_elastic_s=%.3f "
+              "prefill_overhead=%.3f context=%d step_full_ms=%.2f step_elastic_ms=%.2f "
+              "step_ratio=%.3f kv_kept_ratio=%.4f\n",
+              model.config().text.num_hidden_layers, prompt, pf, pe, pe / pf - 1, context,
+              1e3 * step_s[0], 1e3 * step_s[1], step_s[1] / step_s[0], double(bytes[1]) / full_bytes);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,6 +197,10 @@ int main(int argc, char** argv) {
   app.add_option("--context", context, "tokens in each sequence before decoding")
       ->capture_default_str();
   app.add_option("--batches", batches, "decode batch sizes")->capture_default_str();
+  std::string suite = "decoder";
+  app.add_option("--suite", suite, "decoder (issue 2 numbers) | policies (Elastic vs Full)")
+      ->check(CLI::IsMember({"decoder", "policies"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   threads = llava::InitTorchThreads(threads);
   at::manual_seed(0);
@@ -157,6 +217,11 @@ int main(int argc, char** argv) {
   }
   const llava::LlavaModel& model = **model_or;
   const int64_t vocab = config.text.vocab_size;
+  if (suite == "policies") {
+    // 600 tokens: 576 image rows + a short question, as a LLaVA-1.5 prompt.
+    PolicySuite(model, 600, 2048, steps, std::max(3, reps), 0.2);
+    return 0;
+  }
 
   // Prefill: one prompt through a fresh cache.
   std::vector<double> prefill;
