@@ -12,9 +12,9 @@
 #include <chrono>
 #include <cstdio>
 
+#include "engine/kv_cache.h"
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
-#include "engine/kv_cache.h"
 #include "engine/weights.h"
 
 namespace {
@@ -158,8 +158,8 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
   double step_s[2] = {0, 0};
   int64_t bytes[2] = {0, 0}, full_bytes = 0;
   for (int k = 0; k < 2; ++k) {
-    auto cache = llava::NewKvCache(model.kv_layout(),
-                                   k == 0 ? llava::CacheParams{llava::CachePolicy::kFull} : elastic);
+    auto cache = llava::NewKvCache(
+        model.kv_layout(), k == 0 ? llava::CacheParams{llava::CachePolicy::kFull} : elastic);
     model.Forward({{ctx, 0, cache.get(), false}});
     std::vector<double> runs;
     for (int s = 0; s < steps; ++s) {
@@ -176,11 +176,12 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
               context, 1e3 * step_s[0], gamma, 1e3 * step_s[1], step_s[1] / step_s[0]);
   std::printf("kv bytes full %.1f MB  elastic %.1f MB  kept/full %.4f (gamma %.2f)\n",
               bytes[0] / 1e6, bytes[1] / 1e6, double(bytes[1]) / full_bytes, gamma);
-  std::printf("suite=policies layers=%d prompt=%d prefill_full_s=%.3f prefill_elastic_s=%.3f "
-              "prefill_overhead=%.3f context=%d step_full_ms=%.2f step_elastic_ms=%.2f "
-              "step_ratio=%.3f kv_kept_ratio=%.4f\n",
-              model.config().text.num_hidden_layers, prompt, pf, pe, pe / pf - 1, context,
-              1e3 * step_s[0], 1e3 * step_s[1], step_s[1] / step_s[0], double(bytes[1]) / full_bytes);
+  std::printf(
+      "suite=policies layers=%d prompt=%d prefill_full_s=%.3f prefill_elastic_s=%.3f "
+      "prefill_overhead=%.3f context=%d step_full_ms=%.2f step_elastic_ms=%.2f "
+      "step_ratio=%.3f kv_kept_ratio=%.4f\n",
+      model.config().text.num_hidden_layers, prompt, pf, pe, pe / pf - 1, context, 1e3 * step_s[0],
+      1e3 * step_s[1], step_s[1] / step_s[0], double(bytes[1]) / full_bytes);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "engine/cpu_gemv.h"
 #include "engine/weights.h"
 
 #ifdef LLAVA_WITH_CUDA
@@ -61,6 +62,25 @@ bool Ignorable(const std::string& name, const LlavaConfig& c) {
 }
 
 }  // namespace
+
+at::Tensor Linear::operator()(const at::Tensor& x) const {
+  const int64_t k = weight.size(1), rows = x.numel() / std::max<int64_t>(k, 1);
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.is_cpu() &&
+      weight.is_cpu() && rows >= 1 && rows <= kGemvMaxRows && k % 32 == 0 &&
+      weight.is_contiguous() && (!bias.defined() || bias.scalar_type() == at::kBFloat16) &&
+      CpuHasBf16Gemv()) {
+    at::Tensor xc = x.contiguous();
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = weight.size(0);
+    at::Tensor y = at::empty(shape, x.options());
+    Bf16Gemv(static_cast<const uint16_t*>(xc.data_ptr()),
+             static_cast<const uint16_t*>(weight.data_ptr()),
+             bias.defined() ? static_cast<const uint16_t*>(bias.contiguous().data_ptr()) : nullptr,
+             static_cast<uint16_t*>(y.data_ptr()), rows, weight.size(0), k);
+    return y;
+  }
+  return at::linear(x, weight, bias);
+}
 
 at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
   return at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps).to(x.scalar_type());

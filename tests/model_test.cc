@@ -178,3 +178,29 @@ TEST_F(TinyModelTest, Bf16RunTracksF32Run) {
 
 }  // namespace
 }  // namespace llava
+
+namespace llava {
+namespace {
+
+// In bf16 the decode steps (1 row) take the AVX512-BF16 kernel while the full pass (24 rows)
+// takes oneDNN: the two must agree to bf16 precision.
+TEST(TinyModelBf16, IncrementalDecodingTracksFullForward) {
+  InitTorchThreads(2);
+  auto model = LoadTiny("tiny-old", DType::kBF16);
+  ASSERT_NE(model, nullptr);
+  at::manual_seed(12);
+  at::Tensor ids = at::randint(3, model->config().text.vocab_size, {24}, at::kLong);
+  auto full_cache = model->NewFullCache();
+  at::Tensor full = model->Forward({{model->Embed(ids), 0, full_cache.get(), true}});
+  auto cache = model->NewFullCache();
+  std::vector<at::Tensor> rows = {
+      model->Forward({{model->Embed(ids.narrow(0, 0, 8)), 0, cache.get(), false}})};
+  for (int64_t t = 8; t < 24; ++t) {
+    rows.push_back(model->Forward(
+        {{model->Embed(ids.narrow(0, t, 1)), cache->NextPosition(), cache.get(), false}}));
+  }
+  EXPECT_LT(Nmse(at::cat(rows, 0), full.narrow(0, 7, 17)), 1e-3);
+}
+
+}  // namespace
+}  // namespace llava

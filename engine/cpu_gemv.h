@@ -1,0 +1,24 @@
+// Skinny bf16 matrix products for decoding on x86 CPUs with AVX512-BF16: y = x W^T (+ b) for
+// up to 8 rows of x. Decoding is bound by streaming the weights, and oneDNN's bf16 GEMV in
+// libtorch 1.13 streams them at about two thirds of the memory bandwidth; this kernel reads
+// each weight row once for all rows of x, with several weight rows in flight per thread.
+// Torch-free header (raw pointers), so the kernel TU is the only one built with OpenMP.
+#pragma once
+
+#include <cstdint>
+
+namespace llava {
+
+constexpr int kGemvMaxRows = 8;
+
+// True when the CPU supports AVX512-BF16 (checked once).
+bool CpuHasBf16Gemv();
+
+// y [m, n] = x [m, k] . w [n, k]^T (+ bias [n]); bf16 in and out (uint16_t bit patterns),
+// fp32 accumulation, round-to-nearest-even. Requires 1 <= m <= kGemvMaxRows, k % 32 == 0,
+// row-major contiguous operands and CpuHasBf16Gemv(). `bias` may be null. Runs on libtorch's
+// intra-op threads.
+void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t m,
+              int64_t n, int64_t k);
+
+}  // namespace llava

@@ -1,0 +1,57 @@
+// The AVX512-BF16 decode kernel against at::linear in fp32 on the same bf16 inputs.
+#include "engine/cpu_gemv.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+
+namespace llava {
+namespace {
+
+TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCount) {
+  if (!CpuHasBf16Gemv()) GTEST_SKIP() << "CPU without AVX512-BF16: at::linear is used instead";
+  InitTorchThreads(2);
+  at::manual_seed(0);
+  for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
+    for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{{37, 64}, {4099, 96}, {64, 4096}}) {
+      at::Tensor x = at::randn({m, k}).to(at::kBFloat16);
+      at::Tensor w = (at::randn({n, k}) * 0.1).to(at::kBFloat16);
+      at::Tensor b = at::randn({n}).to(at::kBFloat16);
+      for (bool with_bias : {false, true}) {
+        at::Tensor y = at::empty({m, n}, at::kBFloat16);
+        Bf16Gemv(static_cast<const uint16_t*>(x.data_ptr()),
+                 static_cast<const uint16_t*>(w.data_ptr()),
+                 with_bias ? static_cast<const uint16_t*>(b.data_ptr()) : nullptr,
+                 static_cast<uint16_t*>(y.data_ptr()), m, n, k);
+        at::Tensor ref = at::linear(x.to(at::kFloat), w.to(at::kFloat),
+                                    with_bias ? b.to(at::kFloat) : at::Tensor());
+        // bf16 output rounding: relative error below 2^-8 of the row scale.
+        const double err = (y.to(at::kFloat) - ref).abs().max().item<double>();
+        EXPECT_LT(err, ref.abs().max().item<double>() / 128)
+            << "m=" << m << " n=" << n << " k=" << k;
+      }
+    }
+  }
+}
+
+TEST(Bf16Gemv, LinearDispatchesSkinnyBf16AndFallsBackOtherwise) {
+  InitTorchThreads(2);
+  at::manual_seed(1);
+  Linear lin{(at::randn({48, 64}) * 0.1).to(at::kBFloat16), at::randn({48}).to(at::kBFloat16)};
+  for (int64_t rows : {1, 3, 8, 9, 40}) {  // 9 and 40 take at::linear
+    at::Tensor x = at::randn({rows, 64}).to(at::kBFloat16);
+    at::Tensor ref =
+        at::linear(x.to(at::kFloat), lin.weight.to(at::kFloat), lin.bias.to(at::kFloat));
+    at::Tensor y = lin(x);
+    ASSERT_EQ(y.sizes(), ref.sizes());
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    EXPECT_LT((y.to(at::kFloat) - ref).abs().max().item<double>(),
+              ref.abs().max().item<double>() / 64)
+        << rows;
+  }
+}
+
+}  // namespace
+}  // namespace llava
