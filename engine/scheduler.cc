@@ -1,0 +1,73 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+namespace llava {
+
+int64_t SteadyEntries(int64_t prompt_tokens, int64_t max_tokens, const CacheParams& kv) {
+  const int64_t total = prompt_tokens + max_tokens;
+  if (kv.policy == CachePolicy::kFull || kv.budget >= 1.0) return total;
+  return kv.EntryTarget(total);
+}
+
+int64_t Scheduler::SteadyBytes(const SchedRequest& r) const {
+  return SteadyEntries(r.prompt_tokens, r.max_tokens, r.kv) * config_.num_layers *
+         config_.bytes_per_entry;
+}
+
+int64_t Scheduler::PrefillBytes(const SchedRequest& r) const {
+  return r.prompt_tokens * config_.num_layers * config_.bytes_per_entry;
+}
+
+Status Scheduler::Enqueue(const SchedRequest& r) {
+  if (static_cast<int>(waiting_.size()) >= config_.max_queue) {
+    return ResourceExhausted("the request queue is full (" + std::to_string(config_.max_queue) +
+                             " waiting)");
+  }
+  const int64_t need = std::max(SteadyBytes(r), PrefillBytes(r));
+  if (need > config_.kv_budget_bytes) {
+    return ResourceExhausted("the request needs " + std::to_string(need) +
+                             " bytes of KV cache, more than the server's budget of " +
+                             std::to_string(config_.kv_budget_bytes) +
+                             " (lower sampling.max_tokens or kv_cache.budget)");
+  }
+  waiting_.push_back(r);
+  return Status::Ok();
+}
+
+std::vector<uint64_t> Scheduler::Admit() {
+  std::vector<uint64_t> admitted;
+  int64_t prefill = 0;  // whole prompts of this round's requests, held while they prefill
+  int64_t steady = 0;   // their reservations once compressed
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < config_.max_batch) {
+    const SchedRequest& r = waiting_.front();
+    const int64_t s = SteadyBytes(r), p = PrefillBytes(r);
+    if (reserved_ + steady + s > config_.kv_budget_bytes ||
+        reserved_ + prefill + p > config_.kv_budget_bytes) {
+      break;  // FIFO: no overtaking
+    }
+    steady += s;
+    prefill += p;
+    running_[r.id] = s;
+    admitted.push_back(r.id);
+    waiting_.pop_front();
+  }
+  reserved_ += steady;
+  return admitted;
+}
+
+bool Scheduler::Remove(uint64_t id) {
+  auto it = running_.find(id);
+  if (it != running_.end()) {
+    reserved_ -= it->second;
+    running_.erase(it);
+    return true;
+  }
+  auto w = std::find_if(waiting_.begin(), waiting_.end(),
+                        [id](const SchedRequest& r) { return r.id == id; });
+  if (w == waiting_.end()) return false;
+  waiting_.erase(w);
+  return true;
+}
+
+}  // namespace llava

@@ -1,0 +1,68 @@
+// Admission control for continuous batching, by KV bytes. Torch-free, so every decision is
+// testable exactly (vLLM's habit: the scheduler decides, the cache manager accounts).
+//
+// Each running request reserves its steady-state KV bytes: the most entries its policy holds
+// once the prompt is compressed (EntryTarget(T + G) per layer; T + G for Full) x layers x bytes
+// per entry. Requests admitted together are prefilled together, and while they prefill each
+// holds its whole prompt (T entries per layer) before compressing: admission checks that this
+// transient fits too. Waiting requests are admitted in FIFO order while both fit and the batch
+// has room; a request that could never fit alone is refused at enqueue time. No preemption.
+//
+// Thread safety: not thread-safe; the engine thread owns it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/cache_policy.h"
+#include "engine/status.h"
+
+namespace llava {
+
+struct SchedulerConfig {
+  int64_t kv_budget_bytes = int64_t{4} << 30;
+  int64_t bytes_per_entry = 0;  // one entry of one layer (K and V)
+  int num_layers = 0;
+  int max_batch = 8;   // running requests at most
+  int max_queue = 64;  // waiting requests at most
+};
+
+struct SchedRequest {
+  uint64_t id = 0;
+  int64_t prompt_tokens = 0;
+  int64_t max_tokens = 0;
+  CacheParams kv;
+};
+
+// Entries per layer a request holds at most after its prefill: EntryTarget(T + G) for
+// compressing policies, T + G for Full (and any policy at budget 1).
+int64_t SteadyEntries(int64_t prompt_tokens, int64_t max_tokens, const CacheParams& kv);
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerConfig& config) : config_(config) {}
+
+  int64_t SteadyBytes(const SchedRequest& r) const;
+  int64_t PrefillBytes(const SchedRequest& r) const;  // the whole prompt, before compression
+  // RESOURCE_EXHAUSTED when the queue is full or the request alone exceeds the budget.
+  Status Enqueue(const SchedRequest& r);
+  // Moves waiting requests to running, FIFO, while they fit; returns their ids in order.
+  std::vector<uint64_t> Admit();
+  // Frees a running request's reservation, or drops a waiting one. False if unknown.
+  bool Remove(uint64_t id);
+
+  int waiting() const { return static_cast<int>(waiting_.size()); }
+  int running() const { return static_cast<int>(running_.size()); }
+  int64_t reserved_bytes() const { return reserved_; }
+  const SchedulerConfig& config() const { return config_; }
+
+ private:
+  SchedulerConfig config_;
+  std::deque<SchedRequest> waiting_;
+  std::unordered_map<uint64_t, int64_t> running_;  // id -> reserved bytes
+  int64_t reserved_ = 0;
+};
+
+}  // namespace llava
