@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "engine/llava_model.h"
-#include "engine/stop_strings.h"
 
 namespace llava {
 namespace {
@@ -17,18 +16,12 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 
 LoadedModel::~LoadedModel() = default;
 
-const char* FinishReasonName(FinishReason r) {
-  switch (r) {
-    case FinishReason::kStop:
-      return "stop";
-    case FinishReason::kLength:
-      return "length";
-    case FinishReason::kCancelled:
-      return "cancelled";
-    case FinishReason::kError:
-      return "error";
+std::vector<int> PromptTextIds(const PromptTokens& prompt, int image_token_id) {
+  std::vector<int> ids;
+  for (int id : prompt.ids) {
+    if (id != image_token_id) ids.push_back(id);
   }
-  return "?";
+  return ids;
 }
 
 StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
@@ -143,52 +136,25 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
   try {
     std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache);
     at::Tensor logits = Prefill(prepared, cache.get(), &result.vision_seconds);
-    SequenceChunk chunk;
-    chunk.cache = cache.get();
-
-    // Repetition penalty applies to the prompt's text tokens and everything generated.
-    std::vector<int> history;
-    for (int id : prompt.ids) {
-      if (id != cfg.image_token_index) history.push_back(id);
-    }
-    Sampler sampler(req.sampling);
-    StreamDecoder decoder(tok);
-    StopStringFilter stops(req.sampling.stop);
-    const int eos = tok.eos_id();
-    result.finish = FinishReason::kLength;
-    for (int step = 0; step < req.sampling.max_tokens; ++step) {
+    DecodeState state(tok, req.sampling, PromptTextIds(prompt, cfg.image_token_index),
+                      cfg.text.eos_token_id);
+    for (bool first = true;; first = false) {
       at::Tensor row = logits[0].contiguous();
-      const int id = sampler.Sample(row.data_ptr<float>(), static_cast<int>(row.size(0)), history);
-      if (step == 0) result.ttft_seconds = SecondsSince(t0);
-      if (id == eos || id == cfg.text.eos_token_id) {
-        result.finish = FinishReason::kStop;
-        break;
-      }
-      result.tokens.push_back(id);
-      history.push_back(id);
-      bool stopped = false;
-      std::string delta = stops.Push(decoder.Push(id), &stopped);
-      result.text += delta;
-      if (!delta.empty() && on_text && !on_text(delta)) {
-        result.finish = FinishReason::kCancelled;
-        break;
-      }
-      if (stopped) {
-        result.finish = FinishReason::kStop;
-        break;
-      }
-      if (step + 1 == req.sampling.max_tokens) break;
-      chunk.embeds = model.Embed(at::tensor({static_cast<int64_t>(id)}, at::kLong));
+      const std::string delta = state.Step(row.data_ptr<float>(), static_cast<int>(row.size(0)));
+      if (first) result.ttft_seconds = SecondsSince(t0);
+      if (!delta.empty() && on_text && !on_text(delta)) state.Abort(FinishReason::kCancelled);
+      if (state.done()) break;
+      SequenceChunk chunk;
+      chunk.embeds = model.Embed(at::tensor({static_cast<int64_t>(state.last_token())}, at::kLong));
       chunk.start_position = cache->NextPosition();
+      chunk.cache = cache.get();
       logits = model.Forward({chunk});
     }
-    if (result.finish != FinishReason::kCancelled) {
-      bool stopped = false;
-      std::string tail = stops.Push(decoder.Flush(), &stopped);
-      if (!stopped) tail += stops.Flush();
-      result.text += tail;
-      if (!tail.empty() && on_text) on_text(tail);
-    }
+    const std::string tail = state.Flush();
+    if (!tail.empty() && on_text) on_text(tail);
+    result.text = state.text();
+    result.tokens = state.tokens();
+    result.finish = state.finish_reason();
     result.completion_tokens = static_cast<int>(result.tokens.size());
     result.kv = cache->Stats();
   } catch (const c10::Error& e) {

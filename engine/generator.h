@@ -10,6 +10,7 @@
 
 #include "engine/cache_policy.h"
 #include "engine/chat_template.h"
+#include "engine/decode_state.h"
 #include "engine/image_io.h"
 #include "engine/kv_cache.h"
 #include "engine/sampler.h"
@@ -47,9 +48,6 @@ struct EngineLimits {
   int max_tokens_limit = 4096;  // upper bound for sampling.max_tokens
 };
 
-enum class FinishReason { kStop, kLength, kCancelled, kError };
-const char* FinishReasonName(FinishReason r);
-
 struct GenerationResult {
   std::string text;
   std::vector<int> tokens;  // generated ids (EOS excluded)
@@ -60,6 +58,9 @@ struct GenerationResult {
   double vision_seconds = 0, ttft_seconds = 0, total_seconds = 0;
   KvStats kv;
 };
+
+// The prompt's text token ids (image rows left out): what the repetition penalty sees.
+std::vector<int> PromptTextIds(const PromptTokens& prompt, int image_token_id);
 
 // Returns false to cancel generation.
 using TextCallback = std::function<bool(const std::string& delta)>;

@@ -76,7 +76,8 @@ TEST(Scheduler, RefusesWhatCanNeverFitAndBoundsTheQueue) {
   EXPECT_NE(too_big.message().find("KV cache"), std::string::npos);
   ASSERT_TRUE(s.Enqueue({2, 10, 10, Kv(CachePolicy::kFull, 1)}).ok());
   ASSERT_TRUE(s.Enqueue({3, 10, 10, Kv(CachePolicy::kFull, 1)}).ok());
-  EXPECT_EQ(s.Enqueue({4, 10, 10, Kv(CachePolicy::kFull, 1)}).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(s.Enqueue({4, 10, 10, Kv(CachePolicy::kFull, 1)}).code(),
+            StatusCode::kResourceExhausted);
   EXPECT_TRUE(s.Remove(3));  // a waiting request can be cancelled
   EXPECT_FALSE(s.Remove(3));
   EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2}));
@@ -84,7 +85,8 @@ TEST(Scheduler, RefusesWhatCanNeverFitAndBoundsTheQueue) {
 
 TEST(Scheduler, BatchLimit) {
   Scheduler s(Config(2, 8));
-  for (uint64_t i = 0; i < 4; ++i) ASSERT_TRUE(s.Enqueue({i, 10, 10, Kv(CachePolicy::kFull, 1)}).ok());
+  for (uint64_t i = 0; i < 4; ++i)
+    ASSERT_TRUE(s.Enqueue({i, 10, 10, Kv(CachePolicy::kFull, 1)}).ok());
   EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{0, 1}));
   EXPECT_TRUE(s.Remove(0));
   EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2}));
