@@ -1,0 +1,215 @@
+// The continuous-batching engine on the tiny checkpoint: concurrent requests get the answers
+// they get alone, admission follows the KV byte budget, cancellation/deadlines free caches,
+// shutdown drains.
+#include "engine/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <opencv2/core.hpp>
+#include <opencv2/imgcodecs.hpp>
+#include <opencv2/imgproc.hpp>
+
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+#include "tests/test_util.h"
+
+namespace llava {
+namespace {
+
+using Kind = ContentPart::Kind;
+using namespace std::chrono_literals;
+
+class Collector : public RequestObserver {
+ public:
+  void OnAdmitted(double) override { admitted_ = true; }
+  void OnText(const std::string& delta) override {
+    std::lock_guard<std::mutex> l(mu_);
+    text_ += delta;
+    ++deltas_;
+  }
+  void OnFinished(const StatusOr<GenerationResult>& r) override {
+    std::lock_guard<std::mutex> l(mu_);
+    ++finished_;
+    result_ = r.ok() ? std::optional<GenerationResult>(*r) : std::nullopt;
+    status_ = r.status();
+    cv_.notify_all();
+  }
+  bool Wait(std::chrono::seconds timeout = 60s) {
+    std::unique_lock<std::mutex> l(mu_);
+    return cv_.wait_for(l, timeout, [&] { return finished_ > 0; });
+  }
+  int deltas() {
+    std::lock_guard<std::mutex> l(mu_);
+    return deltas_;
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::string text_;
+  int deltas_ = 0, finished_ = 0;
+  bool admitted_ = false;
+  std::optional<GenerationResult> result_;
+  Status status_;
+};
+
+std::string Png() {
+  cv::Mat img(40, 40, CV_8UC3, cv::Scalar(250, 250, 250));
+  cv::circle(img, cv::Point(15, 15), 9, cv::Scalar(0, 0, 230), -1);
+  std::vector<uint8_t> buf;
+  cv::imencode(".png", img, buf);
+  return std::string(buf.begin(), buf.end());
+}
+
+GenerationRequest Request(const std::string& question, int max_tokens, bool image) {
+  GenerationRequest r;
+  ChatMessage m{"user", {}};
+  if (image) {
+    r.images = {Png()};
+    m.content.push_back({Kind::kImage, "", 0});
+  }
+  m.content.push_back({Kind::kText, question, 0});
+  r.messages = {m};
+  r.sampling.max_tokens = max_tokens;
+  return r;
+}
+
+class EngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    InitTorchThreads(2);
+    ModelOptions o;
+    o.dtype = DType::kF32;
+    auto m = LoadModel(::llava::testing::TestData() + "/tiny-new", o);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    loaded_ = std::move(m).value().release();
+  }
+  static void TearDownTestSuite() { delete loaded_; }
+  static LoadedModel* loaded_;
+};
+LoadedModel* EngineTest::loaded_ = nullptr;
+
+TEST_F(EngineTest, ConcurrentRequestsMatchRunningAlone) {
+  std::vector<GenerationRequest> reqs = {
+      Request("What is in the image?", 12, true), Request("describe the picture", 9, false),
+      Request("how many objects are there", 14, true), Request("hello", 6, false)};
+  reqs[1].kv_cache.policy = CachePolicy::kElastic;
+  reqs[1].kv_cache.budget = 0.5;
+  reqs[2].kv_cache.policy = CachePolicy::kStreamingLLM;
+  reqs[2].kv_cache.budget = 0.5;
+  reqs[3].sampling.temperature = 0.8f;
+  reqs[3].sampling.seed = 11;
+  Engine engine(*loaded_, EngineOptions{});
+  std::vector<std::shared_ptr<Collector>> out;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    out.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(engine.Submit(i + 1, reqs[i], out.back()).ok());
+  }
+  Generator alone(*loaded_, EngineLimits{});
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(out[i]->Wait());
+    ASSERT_TRUE(out[i]->result_.has_value()) << out[i]->status_.ToString();
+    auto ref = alone.Generate(reqs[i], nullptr);
+    ASSERT_TRUE(ref.ok());
+    EXPECT_EQ(out[i]->result_->tokens, ref->tokens) << "request " << i;
+    EXPECT_EQ(out[i]->text_, ref->text) << "request " << i;
+    EXPECT_EQ(out[i]->result_->text, ref->text);
+    EXPECT_EQ(out[i]->result_->kv.bytes_kept, ref->kv.bytes_kept);
+  }
+  EXPECT_GE(engine.Snapshot().last_batch_size, 1);
+  EXPECT_EQ(engine.Snapshot().kv_bytes_used, 0);
+}
+
+TEST_F(EngineTest, CancelFreesTheCache) {
+  Engine engine(*loaded_, EngineOptions{});
+  auto c = std::make_shared<Collector>();
+  GenerationRequest r = Request("describe", 400, true);
+  ASSERT_TRUE(engine.Submit(1, r, c).ok());
+  while (c->deltas() == 0 && c->finished_ == 0) std::this_thread::sleep_for(1ms);
+  EXPECT_GT(engine.Snapshot().kv_bytes_used + (c->finished_ ? 1 : 0), 0);
+  engine.Cancel(1);
+  ASSERT_TRUE(c->Wait());
+  ASSERT_TRUE(c->result_.has_value());
+  EXPECT_EQ(c->result_->finish, FinishReason::kCancelled);
+  EXPECT_LT(c->result_->completion_tokens, 400);
+  EXPECT_EQ(engine.Snapshot().kv_bytes_used, 0);
+  EXPECT_EQ(engine.Snapshot().kv_bytes_reserved, 0);
+}
+
+TEST_F(EngineTest, QueueBoundAndBudgetRefusals) {
+  EngineOptions o;
+  o.max_batch = 1;
+  o.max_queue = 1;
+  Engine engine(*loaded_, o);
+  auto a = std::make_shared<Collector>(), b = std::make_shared<Collector>();
+  ASSERT_TRUE(engine.Submit(1, Request("long", 300, false), a).ok());
+  while (engine.Snapshot().running == 0 && a->finished_ == 0) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(engine.Submit(2, Request("next", 4, false), b).ok());  // waits
+  Status full = engine.Submit(3, Request("third", 4, false), std::make_shared<Collector>());
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted) << full.ToString();
+  Status dup = engine.Submit(2, Request("again", 4, false), std::make_shared<Collector>());
+  EXPECT_EQ(dup.code(), StatusCode::kInvalidArgument);
+  Status bad = engine.Submit(9, Request("x", 0, false), std::make_shared<Collector>());
+  EXPECT_NE(bad.message().find("sampling.max_tokens"), std::string::npos);
+  engine.Cancel(1);
+  ASSERT_TRUE(b->Wait());
+  EXPECT_TRUE(b->result_.has_value());
+
+  EngineOptions tiny;
+  tiny.kv_cache_bytes = 1000;  // not even one prompt
+  Engine small(*loaded_, tiny);
+  Status never = small.Submit(1, Request("hi", 4, false), std::make_shared<Collector>());
+  EXPECT_EQ(never.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(never.message().find("KV cache"), std::string::npos);
+}
+
+TEST_F(EngineTest, BudgetLimitsConcurrency) {
+  // Room for one Full request of this size at a time: the rest wait, all complete.
+  const KvLayout layout = loaded_->model->kv_layout();
+  EngineOptions o;
+  o.kv_cache_bytes = 80 * layout.num_layers * layout.bytes_per_entry();
+  Engine engine(*loaded_, o);
+  std::vector<std::shared_ptr<Collector>> out;
+  for (uint64_t i = 0; i < 3; ++i) {
+    out.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(engine.Submit(i, Request("what is in the image", 20, true), out.back()).ok());
+  }
+  int max_running = 0;
+  for (auto& c : out) {
+    while (c->finished_ == 0) {
+      max_running = std::max(max_running, engine.Snapshot().running);
+      std::this_thread::sleep_for(1ms);
+    }
+    EXPECT_TRUE(c->result_.has_value());
+  }
+  EXPECT_LE(max_running, 1);
+}
+
+TEST_F(EngineTest, DeadlineEndsTheRequest) {
+  Engine engine(*loaded_, EngineOptions{});
+  auto c = std::make_shared<Collector>();
+  ASSERT_TRUE(
+      engine.Submit(1, Request("describe", 400, true), c, std::chrono::steady_clock::now() + 30ms)
+          .ok());
+  ASSERT_TRUE(c->Wait());
+  EXPECT_EQ(c->status_.code(), StatusCode::kDeadlineExceeded) << c->status_.ToString();
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(engine.Snapshot().kv_bytes_used, 0);
+}
+
+TEST_F(EngineTest, ShutdownDrainsThenRefuses) {
+  Engine engine(*loaded_, EngineOptions{});
+  auto a = std::make_shared<Collector>(), b = std::make_shared<Collector>();
+  ASSERT_TRUE(engine.Submit(1, Request("one", 10, false), a).ok());
+  ASSERT_TRUE(engine.Submit(2, Request("two", 10, true), b).ok());
+  engine.Shutdown(30s);
+  ASSERT_EQ(a->finished_, 1);
+  ASSERT_EQ(b->finished_, 1);
+  EXPECT_NE(a->result_->finish, FinishReason::kCancelled);
+  EXPECT_NE(b->result_->finish, FinishReason::kCancelled);
+  EXPECT_EQ(engine.Submit(3, Request("late", 4, false), std::make_shared<Collector>()).code(),
+            StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace llava
