@@ -48,8 +48,9 @@ StatusOr<PreparedRequest> Generator::Prepare(const GenerationRequest& req, int64
   out.num_images = static_cast<int>(req.images.size());
   // Images: decode and preprocess before touching the model, so bad input fails fast.
   for (size_t i = 0; i < req.images.size(); ++i) {
-    LLAVA_ASSIGN_OR_RETURN(RgbImage img, DecodeImage(req.images[i], limits_.image,
-                                                     "images[" + std::to_string(i) + "]"));
+    const std::string field =
+        i < req.image_fields.size() ? req.image_fields[i] : "images[" + std::to_string(i) + "]";
+    LLAVA_ASSIGN_OR_RETURN(RgbImage img, DecodeImage(req.images[i], limits_.image, field));
     std::vector<float> p = PreprocessImage(img, cfg.image_processor);
     out.pixels.insert(out.pixels.end(), p.begin(), p.end());
   }

@@ -40,6 +40,8 @@ struct GenerationRequest {
   std::vector<std::string> images;  // encoded image bytes, referenced by ContentPart::image_index
   SamplingParams sampling;
   CacheParams kv_cache;  // default: Elastic at budget 1 (= Full)
+  // How errors name each image (the API's field path); "images[i]" when absent.
+  std::vector<std::string> image_fields;
 };
 
 struct EngineLimits {

@@ -44,6 +44,12 @@ TEST(Utf8, IncompleteTailAndValidity) {
   EXPECT_TRUE(IsValidUtf8("ab" + euro));
   EXPECT_FALSE(IsValidUtf8("ab" + euro.substr(0, 2)));
   EXPECT_FALSE(IsValidUtf8("\x80"));
+  EXPECT_FALSE(IsValidUtf8("\xC0\x80"));          // overlong NUL
+  EXPECT_FALSE(IsValidUtf8("\xED\xA0\x80"));      // surrogate U+D800
+  EXPECT_FALSE(IsValidUtf8("\xF4\x90\x80\x80"));  // above U+10FFFF
+  EXPECT_FALSE(IsValidUtf8("\xE0\x80\xAF"));      // overlong '/'
+  EXPECT_TRUE(IsValidUtf8("\xF4\x8F\xBF\xBF"));   // U+10FFFF
+  EXPECT_TRUE(IsValidUtf8("\xED\x9F\xBF"));       // U+D7FF
 }
 
 }  // namespace

@@ -1,0 +1,207 @@
+#include "server/convert.h"
+
+#include <cmath>
+
+#include "engine/image_io.h"
+
+namespace llava::server {
+namespace {
+
+StatusOr<ImageFormat> MimeFormat(const std::string& mime, const std::string& field) {
+  if (mime == "image/jpeg" || mime == "image/jpg") return ImageFormat::kJpeg;
+  if (mime == "image/png") return ImageFormat::kPng;
+  if (mime == "image/webp") return ImageFormat::kWebp;
+  if (mime == "image/bmp") return ImageFormat::kBmp;
+  return InvalidArgument(field + " '" + mime +
+                         "' is not supported (image/jpeg, image/png, image/webp, image/bmp)");
+}
+
+}  // namespace
+
+StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
+                                                const RequestDefaults& defaults) {
+  if (request.request_id().size() > 128) {
+    return InvalidArgument("request_id is longer than 128 bytes");
+  }
+  GenerationRequest out;
+  for (int i = 0; i < request.messages_size(); ++i) {
+    const v1::Message& m = request.messages(i);
+    const std::string field = "messages[" + std::to_string(i) + "]";
+    ChatMessage msg;
+    switch (m.role()) {
+      case v1::ROLE_SYSTEM:
+        msg.role = "system";
+        break;
+      case v1::ROLE_USER:
+        msg.role = "user";
+        break;
+      case v1::ROLE_ASSISTANT:
+        msg.role = "assistant";
+        break;
+      default:
+        return InvalidArgument(field + ".role must be ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT");
+    }
+    for (int j = 0; j < m.content_size(); ++j) {
+      const v1::ContentPart& part = m.content(j);
+      const std::string pfield = field + ".content[" + std::to_string(j) + "]";
+      if (part.has_image()) {
+        if (msg.role != "user") {
+          return InvalidArgument(pfield + ".image: images are allowed in user messages only");
+        }
+        const std::string ifield = pfield + ".image.data";
+        if (part.image().data().empty()) return InvalidArgument(ifield + " is empty");
+        if (!part.image().mime_type().empty()) {
+          LLAVA_ASSIGN_OR_RETURN(ImageFormat declared,
+                                 MimeFormat(part.image().mime_type(), pfield + ".image.mime_type"));
+          LLAVA_ASSIGN_OR_RETURN(ImageInfo info, ProbeImage(part.image().data(), ifield));
+          if (info.format != declared) {
+            return InvalidArgument(pfield + ".image.mime_type says " + part.image().mime_type() +
+                                   " but the data is " + ImageFormatName(info.format));
+          }
+        }
+        msg.content.push_back({ContentPart::Kind::kImage, "", static_cast<int>(out.images.size())});
+        out.images.push_back(part.image().data());
+        out.image_fields.push_back(ifield);
+      } else if (part.has_text()) {
+        msg.content.push_back({ContentPart::Kind::kText, part.text(), 0});
+      } else {
+        return InvalidArgument(pfield + " has neither text nor image");
+      }
+    }
+    out.messages.push_back(std::move(msg));
+  }
+
+  const v1::SamplingParams& s = request.sampling();
+  SamplingParams& sp = out.sampling;
+  sp.max_tokens = s.has_max_tokens() ? s.max_tokens() : defaults.max_tokens;
+  if (s.has_temperature()) sp.temperature = s.temperature();
+  if (s.has_top_p()) sp.top_p = s.top_p();
+  if (s.has_top_k()) sp.top_k = s.top_k();
+  if (s.has_seed()) sp.seed = s.seed();
+  if (s.has_repetition_penalty()) sp.repetition_penalty = s.repetition_penalty();
+  sp.stop.assign(s.stop().begin(), s.stop().end());
+
+  const v1::KvCacheConfig& kv = request.kv_cache();
+  CacheParams& cp = out.kv_cache;
+  cp = defaults.kv;
+  switch (kv.policy()) {
+    case v1::CACHE_POLICY_UNSPECIFIED:
+      break;
+    case v1::CACHE_POLICY_FULL:
+      cp.policy = CachePolicy::kFull;
+      break;
+    case v1::CACHE_POLICY_ELASTIC:
+      cp.policy = CachePolicy::kElastic;
+      break;
+    case v1::CACHE_POLICY_H2O:
+      cp.policy = CachePolicy::kH2O;
+      break;
+    case v1::CACHE_POLICY_STREAMING_LLM:
+      cp.policy = CachePolicy::kStreamingLLM;
+      break;
+    default:
+      return InvalidArgument("kv_cache.policy " + std::to_string(kv.policy()) + " is unknown");
+  }
+  if (kv.has_budget()) cp.budget = kv.budget();
+  if (kv.has_recent_distance()) cp.recent_distance = kv.recent_distance();
+  cp.sink_tokens = kv.has_sink_tokens() ? kv.sink_tokens() : -1;
+  if (kv.has_sink_tokens() && kv.sink_tokens() < 0) {
+    return InvalidArgument("kv_cache.sink_tokens must be >= 0, got " +
+                           std::to_string(kv.sink_tokens()));
+  }
+  switch (kv.position_mode()) {
+    case v1::POSITION_MODE_UNSPECIFIED:
+    case v1::POSITION_MODE_ORIGINAL:
+      cp.position_mode = PositionMode::kOriginal;
+      break;
+    case v1::POSITION_MODE_COMPRESSED:
+      cp.position_mode = PositionMode::kCompressed;
+      break;
+    default:
+      return InvalidArgument("kv_cache.position_mode is unknown");
+  }
+  LLAVA_RETURN_IF_ERROR(ValidateCacheParams(cp));
+  return out;
+}
+
+v1::FinishReason ToProto(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kCancelled:
+      return v1::FINISH_REASON_CANCELLED;
+    case FinishReason::kError:
+      return v1::FINISH_REASON_ERROR;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+v1::CachePolicy ToProto(CachePolicy policy) {
+  switch (policy) {
+    case CachePolicy::kFull:
+      return v1::CACHE_POLICY_FULL;
+    case CachePolicy::kElastic:
+      return v1::CACHE_POLICY_ELASTIC;
+    case CachePolicy::kH2O:
+      return v1::CACHE_POLICY_H2O;
+    case CachePolicy::kStreamingLLM:
+      return v1::CACHE_POLICY_STREAMING_LLM;
+  }
+  return v1::CACHE_POLICY_UNSPECIFIED;
+}
+
+void FillUsage(const GenerationResult& r, double queue_seconds, v1::Usage* u) {
+  u->set_prompt_tokens(r.prompt_tokens);
+  u->set_image_tokens(r.image_tokens);
+  u->set_completion_tokens(r.completion_tokens);
+  u->set_kv_bytes_used(r.kv.bytes_kept);
+  u->set_kv_bytes_full(r.kv.full_equivalent_bytes);
+  u->set_tokens_merged(r.kv.tokens_merged);
+  u->set_tokens_evicted(r.kv.tokens_evicted);
+  u->set_time_to_first_token_seconds(r.ttft_seconds);
+  u->set_total_seconds(r.total_seconds);
+  u->set_queue_seconds(queue_seconds);
+}
+
+grpc::Status ToGrpcStatus(const Status& s) {
+  grpc::StatusCode code = grpc::StatusCode::UNKNOWN;
+  switch (s.code()) {
+    case StatusCode::kOk:
+      return grpc::Status::OK;
+    case StatusCode::kInvalidArgument:
+      code = grpc::StatusCode::INVALID_ARGUMENT;
+      break;
+    case StatusCode::kNotFound:
+      code = grpc::StatusCode::NOT_FOUND;
+      break;
+    case StatusCode::kDataLoss:
+      code = grpc::StatusCode::DATA_LOSS;
+      break;
+    case StatusCode::kResourceExhausted:
+      code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+      break;
+    case StatusCode::kFailedPrecondition:
+      code = grpc::StatusCode::FAILED_PRECONDITION;
+      break;
+    case StatusCode::kUnimplemented:
+      code = grpc::StatusCode::UNIMPLEMENTED;
+      break;
+    case StatusCode::kInternal:
+      code = grpc::StatusCode::INTERNAL;
+      break;
+    case StatusCode::kUnavailable:
+      code = grpc::StatusCode::UNAVAILABLE;
+      break;
+    case StatusCode::kDeadlineExceeded:
+      code = grpc::StatusCode::DEADLINE_EXCEEDED;
+      break;
+    case StatusCode::kCancelled:
+      code = grpc::StatusCode::CANCELLED;
+      break;
+  }
+  return grpc::Status(code, s.message());
+}
+
+}  // namespace llava::server

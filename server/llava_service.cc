@@ -1,0 +1,239 @@
+#include "server/llava_service.h"
+
+#include <spdlog/spdlog.h>
+
+#include <deque>
+#include <mutex>
+
+#include "engine/llava_model.h"
+
+namespace llava::server {
+namespace {
+
+// Converts the call's deadline (system clock) for the engine (steady clock).
+std::optional<std::chrono::steady_clock::time_point> EngineDeadline(
+    grpc::CallbackServerContext* context) {
+  const auto deadline = context->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return std::nullopt;
+  const auto left = deadline - std::chrono::system_clock::now();
+  if (left > std::chrono::hours(24 * 365)) return std::nullopt;
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
+}
+
+void LogRequest(const std::string& id, const GenerationRequest& req,
+                const StatusOr<GenerationResult>& result, double queue_s) {
+  if (!result.ok()) {
+    spdlog::warn("request id={} status={}", id, result.status().ToString());
+    return;
+  }
+  const GenerationResult& r = *result;
+  const double saved = r.kv.full_equivalent_bytes > 0
+                           ? 1.0 - double(r.kv.bytes_kept) / r.kv.full_equivalent_bytes
+                           : 0.0;
+  spdlog::info(
+      "request id={} finish={} prompt_tokens={} image_tokens={} completion_tokens={} policy={} "
+      "budget={:.2f} kv_bytes={} kv_full_bytes={} kv_saved={:.1f}% queue_s={:.3f} ttft_s={:.3f} "
+      "total_s={:.3f}",
+      id, FinishReasonName(r.finish), r.prompt_tokens, r.image_tokens, r.completion_tokens,
+      CachePolicyName(req.kv_cache.policy), req.kv_cache.budget, r.kv.bytes_kept,
+      r.kv.full_equivalent_bytes, 100 * saved, queue_s, r.ttft_seconds, r.total_seconds);
+}
+
+// Unary Chat: collects the answer, finishes the call when the engine is done.
+class ChatReactor final : public grpc::ServerUnaryReactor {
+ public:
+  ChatReactor(LlavaServiceImpl* service, grpc::CallbackServerContext* context,
+              const v1::ChatRequest* request, v1::ChatResponse* response)
+      : service_(service) {
+    auto observer = std::make_shared<Observer>(this, response);
+    uint64_t id = 0;
+    Status s =
+        service->Start(context, *request, observer, &id, &observer->request_id, &observer->request);
+    if (!s.ok()) {
+      spdlog::warn("request rejected: {}", s.ToString());
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    engine_id_ = id;
+    started_ = true;
+  }
+  void OnCancel() override {
+    if (started_) service_->engine()->Cancel(engine_id_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  struct Observer : RequestObserver {
+    Observer(ChatReactor* r, v1::ChatResponse* resp) : reactor(r), response(resp) {}
+    void OnAdmitted(double q) override { queue_seconds = q; }
+    void OnText(const std::string& delta) override { text += delta; }
+    void OnFinished(const StatusOr<GenerationResult>& result) override {
+      LogRequest(request_id, request, result, queue_seconds);
+      if (!result.ok()) {
+        reactor->Finish(ToGrpcStatus(result.status()));  // the reactor may be gone after this
+        return;
+      }
+      response->set_request_id(request_id);
+      response->set_text(text);
+      response->set_finish_reason(ToProto(result->finish));
+      FillUsage(*result, queue_seconds, response->mutable_usage());
+      reactor->Finish(grpc::Status::OK);
+    }
+    ChatReactor* reactor;
+    v1::ChatResponse* response;
+    std::string text, request_id;
+    GenerationRequest request;
+    double queue_seconds = 0;
+  };
+
+  LlavaServiceImpl* service_;
+  uint64_t engine_id_ = 0;
+  bool started_ = false;
+};
+
+// Streaming Chat: one write in flight at a time; text produced meanwhile is queued.
+class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
+ public:
+  ChatStreamReactor(LlavaServiceImpl* service, grpc::CallbackServerContext* context,
+                    const v1::ChatRequest* request)
+      : service_(service) {
+    observer_ = std::make_shared<Observer>(this);
+    uint64_t id = 0;
+    Status s = service->Start(context, *request, observer_, &id, &observer_->request_id,
+                              &observer_->request);
+    if (!s.ok()) {
+      spdlog::warn("request rejected: {}", s.ToString());
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    engine_id_ = id;
+    started_ = true;
+  }
+  void OnWriteDone(bool ok) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    writing_ = false;
+    if (!ok) broken_ = true;  // the client went away; OnCancel cancels the engine request
+    Pump(std::move(lock));
+  }
+  void OnCancel() override {
+    if (started_) service_->engine()->Cancel(engine_id_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  struct Observer : RequestObserver {
+    explicit Observer(ChatStreamReactor* r) : reactor(r) {}
+    void OnAdmitted(double q) override { queue_seconds = q; }
+    void OnText(const std::string& delta) override {
+      v1::ChatChunk chunk;
+      chunk.set_request_id(request_id);
+      chunk.set_text_delta(delta);
+      reactor->Enqueue(std::move(chunk), std::nullopt);
+    }
+    void OnFinished(const StatusOr<GenerationResult>& result) override {
+      LogRequest(request_id, request, result, queue_seconds);
+      if (!result.ok()) {
+        reactor->Enqueue(std::nullopt, ToGrpcStatus(result.status()));
+        return;
+      }
+      v1::ChatChunk last;
+      last.set_request_id(request_id);
+      last.set_finish_reason(ToProto(result->finish));
+      FillUsage(*result, queue_seconds, last.mutable_usage());
+      reactor->Enqueue(std::move(last), grpc::Status::OK);
+    }
+    ChatStreamReactor* reactor;
+    std::string request_id;
+    GenerationRequest request;
+    double queue_seconds = 0;
+  };
+
+  // Queues a chunk and/or the final status (engine thread).
+  void Enqueue(std::optional<v1::ChatChunk> chunk, std::optional<grpc::Status> final_status) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (chunk) queue_.push_back(std::move(*chunk));
+    if (final_status) final_status_ = std::move(final_status);
+    Pump(std::move(lock));
+  }
+  // Starts the next write, or finishes once everything is written. StartWrite and Finish run
+  // after the lock is released: a reaction may run inline, and OnDone (which deletes this
+  // reactor) may run as soon as Finish returns.
+  void Pump(std::unique_lock<std::mutex> lock) {
+    if (writing_ || finished_) return;
+    if (!queue_.empty() && !broken_) {
+      current_ = std::move(queue_.front());
+      queue_.pop_front();
+      writing_ = true;  // current_ is not touched again until OnWriteDone
+      lock.unlock();
+      StartWrite(&current_);
+      return;
+    }
+    if (!final_status_) return;
+    finished_ = true;
+    const grpc::Status status =
+        broken_ && final_status_->ok() ? grpc::Status::CANCELLED : *final_status_;
+    lock.unlock();
+    Finish(status);
+  }
+
+  LlavaServiceImpl* service_;
+  std::shared_ptr<Observer> observer_;
+  uint64_t engine_id_ = 0;
+  bool started_ = false;
+  std::mutex mu_;
+  std::deque<v1::ChatChunk> queue_;           // guarded by mu_
+  v1::ChatChunk current_;                     // guarded by mu_ (the write in flight)
+  std::optional<grpc::Status> final_status_;  // guarded by mu_
+  bool writing_ = false, broken_ = false, finished_ = false;  // guarded by mu_
+};
+
+}  // namespace
+
+LlavaServiceImpl::LlavaServiceImpl(Engine* engine, const LoadedModel& model, ServiceConfig config)
+    : engine_(engine), model_(model), config_(std::move(config)) {}
+
+Status LlavaServiceImpl::Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
+                               std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
+                               std::string* request_id, GenerationRequest* converted) {
+  LLAVA_ASSIGN_OR_RETURN(*converted, ToGenerationRequest(request, config_.defaults));
+  *engine_id = next_id_.fetch_add(1);
+  *request_id =
+      request.request_id().empty() ? "req-" + std::to_string(*engine_id) : request.request_id();
+  return engine_->Submit(*engine_id, *converted, std::move(observer), EngineDeadline(context));
+}
+
+grpc::ServerUnaryReactor* LlavaServiceImpl::Chat(grpc::CallbackServerContext* context,
+                                                 const v1::ChatRequest* request,
+                                                 v1::ChatResponse* response) {
+  return new ChatReactor(this, context, request, response);
+}
+
+grpc::ServerWriteReactor<v1::ChatChunk>* LlavaServiceImpl::ChatStream(
+    grpc::CallbackServerContext* context, const v1::ChatRequest* request) {
+  return new ChatStreamReactor(this, context, request);
+}
+
+grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerContext* context,
+                                                         const v1::GetModelInfoRequest*,
+                                                         v1::ModelInfo* info) {
+  const LlavaConfig& c = model_.model->config();
+  const KvLayout layout = model_.model->kv_layout();
+  info->set_model_path(config_.model_path);
+  info->set_vocab_size(c.text.vocab_size);
+  info->set_context_length(c.text.max_position_embeddings);
+  info->set_image_size(c.vision.image_size);
+  info->set_image_tokens(c.image_tokens());
+  info->set_num_layers(layout.num_layers);
+  info->set_kv_bytes_per_token(layout.num_layers * layout.bytes_per_entry());
+  info->set_kv_cache_budget_bytes(config_.kv_cache_bytes);
+  info->set_default_policy(ToProto(config_.defaults.kv.policy));
+  info->set_default_budget(config_.defaults.kv.budget);
+  info->set_max_tokens_limit(config_.max_tokens_limit);
+  info->set_dtype(config_.dtype);
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace llava::server

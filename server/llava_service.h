@@ -1,0 +1,52 @@
+// The gRPC service: a thin layer that converts requests, submits them to the Engine and
+// streams the engine's output back. Each call is a small reactor that finishes itself; all
+// generation state lives in the engine.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include "engine/engine.h"
+#include "llava/v1/llava.grpc.pb.h"
+#include "server/convert.h"
+
+namespace llava::server {
+
+struct ServiceConfig {
+  RequestDefaults defaults;
+  std::string model_path;
+  std::string dtype = "bf16";
+  int max_tokens_limit = 4096;
+  int64_t kv_cache_bytes = 0;
+};
+
+class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
+ public:
+  // Borrows `engine` and `model`; both must outlive the service.
+  LlavaServiceImpl(Engine* engine, const LoadedModel& model, ServiceConfig config);
+
+  grpc::ServerUnaryReactor* Chat(grpc::CallbackServerContext* context,
+                                 const v1::ChatRequest* request,
+                                 v1::ChatResponse* response) override;
+  grpc::ServerWriteReactor<v1::ChatChunk>* ChatStream(grpc::CallbackServerContext* context,
+                                                      const v1::ChatRequest* request) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request,
+                                         v1::ModelInfo* response) override;
+
+  // Converts and submits; on error nothing was submitted. Fills the engine id and the reply's
+  // request id. Thread-safe.
+  Status Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
+               std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
+               std::string* request_id, GenerationRequest* converted);
+
+  Engine* engine() { return engine_; }
+
+ private:
+  Engine* engine_;
+  const LoadedModel& model_;
+  ServiceConfig config_;
+  std::atomic<uint64_t> next_id_{1};
+};
+
+}  // namespace llava::server

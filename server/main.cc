@@ -1,0 +1,153 @@
+// llava-server: the gRPC chat service.
+//
+// Flags can also come from the environment (LLAVA_MODEL, LLAVA_LISTEN, ...: the flag name in
+// upper case with '-' as '_'), which is how the Kubernetes manifests configure it.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <csignal>
+#include <thread>
+
+#include "engine/engine.h"
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+#include "server/llava_service.h"
+
+namespace {
+
+volatile std::sig_atomic_t g_signal = 0;
+void OnSignal(int sig) { g_signal = sig; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"llava-server: multimodal chat over gRPC with per-request KV-cache policies"};
+  std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, listen = "0.0.0.0:50051";
+  std::string dtype = "bf16", device = "cpu", policy = "elastic";
+  double budget = 0.5, kv_gib = 4.0, grace_s = 30;
+  int threads = 0, max_batch = 8, max_queue = 64, default_max_tokens = 256;
+  int max_tokens_limit = 2048, max_images = 4;
+  int64_t max_image_bytes = 20 << 20, max_image_pixels = 40'000'000;
+  auto env = [](const char* name) { return std::string("LLAVA_") + name; };
+  app.add_option("--model", model_dir, "llava-hf model folder")
+      ->envname(env("MODEL"))
+      ->capture_default_str();
+  app.add_option("--listen", listen, "gRPC address")->envname(env("LISTEN"))->capture_default_str();
+  app.add_option("--kv-cache-gib", kv_gib, "KV byte budget for admission, GiB")
+      ->envname(env("KV_CACHE_GIB"))
+      ->capture_default_str();
+  app.add_option("--max-batch", max_batch, "running requests at most")
+      ->envname(env("MAX_BATCH"))
+      ->capture_default_str();
+  app.add_option("--max-queue", max_queue, "waiting requests at most (then RESOURCE_EXHAUSTED)")
+      ->envname(env("MAX_QUEUE"))
+      ->capture_default_str();
+  app.add_option("--default-policy", policy, "full | elastic | h2o | streaming_llm")
+      ->envname(env("DEFAULT_POLICY"))
+      ->capture_default_str();
+  app.add_option("--default-budget", budget, "default KV budget ratio")
+      ->envname(env("DEFAULT_BUDGET"))
+      ->capture_default_str();
+  app.add_option("--default-max-tokens", default_max_tokens)
+      ->envname(env("DEFAULT_MAX_TOKENS"))
+      ->capture_default_str();
+  app.add_option("--max-tokens-limit", max_tokens_limit)
+      ->envname(env("MAX_TOKENS_LIMIT"))
+      ->capture_default_str();
+  app.add_option("--max-images", max_images, "images per request")
+      ->envname(env("MAX_IMAGES"))
+      ->capture_default_str();
+  app.add_option("--max-image-bytes", max_image_bytes)
+      ->envname(env("MAX_IMAGE_BYTES"))
+      ->capture_default_str();
+  app.add_option("--max-image-pixels", max_image_pixels)
+      ->envname(env("MAX_IMAGE_PIXELS"))
+      ->capture_default_str();
+  app.add_option("--dtype", dtype, "bf16 | f32")
+      ->envname(env("DTYPE"))
+      ->check(CLI::IsMember({"bf16", "f32"}));
+  app.add_option("--device", device, "cpu | cuda[:i]")
+      ->envname(env("DEVICE"))
+      ->capture_default_str();
+  app.add_option("--threads", threads, "intra-op threads (0 = one per core)")
+      ->envname(env("THREADS"));
+  app.add_option("--shutdown-grace-seconds", grace_s)
+      ->envname(env("SHUTDOWN_GRACE_SECONDS"))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  threads = llava::InitTorchThreads(threads);
+
+  auto parsed_policy = llava::ParseCachePolicy(policy);
+  if (!parsed_policy.ok()) {
+    spdlog::error("--default-policy: {}", parsed_policy.status().ToString());
+    return 2;
+  }
+  llava::ModelOptions options;
+  options.dtype = dtype == "f32" ? llava::DType::kF32 : llava::DType::kBF16;
+  options.device = device;
+  spdlog::info("loading {} ({}, {}, {} threads)", model_dir, dtype, device, threads);
+  auto loaded = llava::LoadModel(model_dir, options);
+  if (!loaded.ok()) {
+    spdlog::error("{}", loaded.status().ToString());
+    return 1;
+  }
+
+  llava::EngineOptions eo;
+  eo.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1 << 30));
+  eo.max_batch = max_batch;
+  eo.max_queue = max_queue;
+  eo.limits.max_tokens_limit = max_tokens_limit;
+  eo.limits.prompt.max_images = max_images;
+  eo.limits.image.max_encoded_bytes = static_cast<size_t>(max_image_bytes);
+  eo.limits.image.max_pixels = max_image_pixels;
+  llava::Engine engine(**loaded, eo);
+
+  llava::server::ServiceConfig sc;
+  sc.model_path = model_dir;
+  sc.dtype = dtype;
+  sc.max_tokens_limit = max_tokens_limit;
+  sc.kv_cache_bytes = eo.kv_cache_bytes;
+  sc.defaults.max_tokens = default_max_tokens;
+  sc.defaults.kv.policy = *parsed_policy;
+  sc.defaults.kv.budget = budget;
+  if (llava::Status s = llava::ValidateCacheParams(sc.defaults.kv); !s.ok()) {
+    spdlog::error("--default-budget: {}", s.ToString());
+    return 2;
+  }
+  llava::server::LlavaServiceImpl service(&engine, **loaded, sc);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int bound_port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &bound_port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_image_bytes * max_images + (1 << 20)));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || bound_port == 0) {
+    spdlog::error("cannot listen on {}", listen);
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+  // The bound port on its own line, for scripts and tests that listen on port 0.
+  spdlog::info(
+      "serving on port {} (model {}, default policy {} budget {:.2f}, KV budget {:.2f} GiB)",
+      bound_port, model_dir, policy, budget, kv_gib);
+
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+
+  spdlog::info("signal {}: draining for up to {:.0f} s", static_cast<int>(g_signal), grace_s);
+  server->GetHealthCheckService()->SetServingStatus(false);
+  const auto grace = std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
+  // New RPCs are refused from here; running ones finish (or are cancelled at the deadline).
+  std::thread drain([&] { engine.Shutdown(grace); });
+  server->Shutdown(std::chrono::system_clock::now() + grace + std::chrono::seconds(2));
+  drain.join();
+  spdlog::info("stopped");
+  return 0;
+}

@@ -1,0 +1,336 @@
+// The gRPC service end to end: llava-server on an ephemeral 127.0.0.1 port with the tiny
+// checkpoint (f32, deterministic), called through the generated client stubs.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <opencv2/core.hpp>
+#include <opencv2/imgcodecs.hpp>
+#include <opencv2/imgproc.hpp>
+#include <thread>
+
+#include "engine/generator.h"
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "llava/v1/llava.grpc.pb.h"
+#include "server/convert.h"
+#include "tests/server_process.h"
+#include "tests/test_util.h"
+
+namespace llava {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string Png(int w, int h) {
+  cv::Mat img(h, w, CV_8UC3, cv::Scalar(240, 240, 240));
+  cv::circle(img, cv::Point(w / 3, h / 3), std::max(2, w / 5), cv::Scalar(0, 0, 220), -1);
+  std::vector<uint8_t> buf;
+  cv::imencode(".png", img, buf);
+  return std::string(buf.begin(), buf.end());
+}
+
+v1::ChatRequest Request(const std::string& question, int max_tokens, bool image) {
+  v1::ChatRequest r;
+  v1::Message* m = r.add_messages();
+  m->set_role(v1::ROLE_USER);
+  if (image) {
+    auto* img = m->add_content()->mutable_image();
+    img->set_data(Png(48, 40));
+    img->set_mime_type("image/png");
+  }
+  m->add_content()->set_text(question);
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  return r;
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    InitTorchThreads(1);
+    server_ = new testing::ServerProcess(
+        LLAVA_SERVER_BINARY,
+        {"--model", ::llava::testing::TestData() + "/tiny-new", "--dtype", "f32", "--threads", "1",
+         "--max-image-bytes", "200000", "--max-tokens-limit", "400"},
+        ::testing::TempDir() + "/llava-server-e2e.log");
+    ASSERT_GT(server_->port(), 0) << server_->Log();
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+    ModelOptions o;
+    o.dtype = DType::kF32;
+    auto m = LoadModel(::llava::testing::TestData() + "/tiny-new", o);
+    ASSERT_TRUE(m.ok());
+    loaded_ = std::move(m).value().release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete loaded_;
+  }
+  std::unique_ptr<v1::LlavaService::Stub> Stub() { return v1::LlavaService::NewStub(channel_); }
+  // The same request run in-process with the server's defaults: the expected answer.
+  static std::string Expected(const v1::ChatRequest& r) {
+    server::RequestDefaults d;
+    d.kv.policy = CachePolicy::kElastic;
+    d.kv.budget = 0.5;
+    auto req = server::ToGenerationRequest(r, d);
+    EXPECT_TRUE(req.ok());
+    Generator gen(*loaded_, EngineLimits{});
+    auto res = gen.Generate(*req, nullptr);
+    EXPECT_TRUE(res.ok());
+    return res.ok() ? res->text : "";
+  }
+  static testing::ServerProcess* server_;
+  static std::shared_ptr<grpc::Channel> channel_;
+  static LoadedModel* loaded_;
+};
+testing::ServerProcess* ServerTest::server_ = nullptr;
+std::shared_ptr<grpc::Channel> ServerTest::channel_;
+LoadedModel* ServerTest::loaded_ = nullptr;
+
+TEST_F(ServerTest, HealthIsServing) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  ASSERT_TRUE(health->Check(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST_F(ServerTest, ModelInfo) {
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(Stub()->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.image_tokens(), loaded_->model->config().image_tokens());
+  EXPECT_EQ(info.context_length(), 512);
+  EXPECT_EQ(info.default_policy(), v1::CACHE_POLICY_ELASTIC);
+  EXPECT_EQ(info.max_tokens_limit(), 400);
+  EXPECT_EQ(info.kv_bytes_per_token(),
+            loaded_->model->kv_layout().num_layers * loaded_->model->kv_layout().bytes_per_entry());
+}
+
+TEST_F(ServerTest, UnaryAndStreamingGiveTheInProcessAnswer) {
+  v1::ChatRequest req = Request("What is in the image?", 12, true);
+  req.set_request_id("abc-1");
+  const std::string expected = Expected(req);
+  grpc::ClientContext ctx;
+  v1::ChatResponse resp;
+  grpc::Status s = Stub()->Chat(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.request_id(), "abc-1");
+  EXPECT_EQ(resp.text(), expected);
+  EXPECT_NE(resp.finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
+  EXPECT_EQ(resp.usage().image_tokens(), loaded_->model->config().image_tokens());
+  EXPECT_GT(resp.usage().kv_bytes_full(), 0);
+  EXPECT_LT(resp.usage().kv_bytes_used(), resp.usage().kv_bytes_full());  // Elastic 0.5 default
+  EXPECT_GT(resp.usage().tokens_merged(), 0);
+
+  grpc::ClientContext sctx;
+  auto reader = Stub()->ChatStream(&sctx, req);
+  v1::ChatChunk chunk;
+  std::string text;
+  int chunks = 0;
+  v1::ChatChunk last;
+  while (reader->Read(&chunk)) {
+    text += chunk.text_delta();
+    ++chunks;
+    last = chunk;
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(text, expected);
+  EXPECT_EQ(last.finish_reason(), resp.finish_reason());
+  EXPECT_EQ(last.usage().completion_tokens(), resp.usage().completion_tokens());
+  EXPECT_GE(chunks, 2);
+}
+
+TEST_F(ServerTest, ConcurrentStreamsAreIndependent) {
+  std::vector<v1::ChatRequest> reqs = {
+      Request("describe the picture", 10, true), Request("hello there", 8, false),
+      Request("how many objects", 14, true), Request("what colour is the circle", 9, true)};
+  reqs[1].mutable_kv_cache()->set_policy(v1::CACHE_POLICY_FULL);
+  reqs[2].mutable_kv_cache()->set_policy(v1::CACHE_POLICY_STREAMING_LLM);
+  reqs[2].mutable_kv_cache()->set_budget(0.3);
+  std::vector<std::string> got(reqs.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      auto reader = Stub()->ChatStream(&ctx, reqs[i]);
+      v1::ChatChunk c;
+      while (reader->Read(&c)) got[i] += c.text_delta();
+      EXPECT_TRUE(reader->Finish().ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i], Expected(reqs[i])) << i;
+}
+
+TEST_F(ServerTest, InvalidInputNamesTheFieldAndTheServerKeepsServing) {
+  struct Case {
+    std::function<void(v1::ChatRequest*)> edit;
+    const char* field;
+  };
+  const float nan = std::nanf("");
+  std::vector<Case> cases = {
+      {[](v1::ChatRequest* r) { r->clear_messages(); }, "messages must not be empty"},
+      {[](v1::ChatRequest* r) { r->mutable_messages(0)->set_role(v1::ROLE_UNSPECIFIED); },
+       "messages[0].role"},
+      {[](v1::ChatRequest* r) {
+         r->mutable_messages(0)->mutable_content(0)->mutable_image()->clear_data();
+       },
+       "messages[0].content[0].image.data is empty"},
+      {[](v1::ChatRequest* r) {
+         r->mutable_messages(0)->mutable_content(0)->mutable_image()->set_data(
+             "\x89PNG\r\n\x1a\nbroken");
+       },
+       "messages[0].content[0].image.data"},
+      {[](v1::ChatRequest* r) {
+         r->mutable_messages(0)->mutable_content(0)->mutable_image()->set_data(
+             std::string(300000, 'x'));
+         r->mutable_messages(0)->mutable_content(0)->mutable_image()->clear_mime_type();
+       },
+       "more than the limit 200000"},
+      {[](v1::ChatRequest* r) {
+         r->mutable_messages(0)->mutable_content(0)->mutable_image()->set_mime_type("image/gif");
+       },
+       "messages[0].content[0].image.mime_type"},
+      {[](v1::ChatRequest* r) {
+         r->mutable_messages(0)->mutable_content(0)->mutable_image()->set_mime_type("image/jpeg");
+       },
+       "messages[0].content[0].image.mime_type says image/jpeg but the data is PNG"},
+      {[](v1::ChatRequest* r) {
+         r->mutable_messages(0)->mutable_content(1)->set_text(std::string(3000, 'a') + " b");
+       },
+       "exceeds the context length"},
+      {[](v1::ChatRequest* r) { r->mutable_sampling()->set_max_tokens(0); }, "sampling.max_tokens"},
+      {[](v1::ChatRequest* r) { r->mutable_sampling()->set_max_tokens(100000); },
+       "sampling.max_tokens"},
+      {[nan](v1::ChatRequest* r) { r->mutable_sampling()->set_temperature(nan); },
+       "sampling.temperature"},
+      {[](v1::ChatRequest* r) { r->mutable_sampling()->set_temperature(-1); },
+       "sampling.temperature"},
+      {[](v1::ChatRequest* r) { r->mutable_sampling()->set_top_p(0); }, "sampling.top_p"},
+      {[](v1::ChatRequest* r) { r->mutable_sampling()->set_top_p(1.5); }, "sampling.top_p"},
+      {[](v1::ChatRequest* r) {
+         r->mutable_kv_cache()->set_policy(static_cast<v1::CachePolicy>(99));
+       },
+       "kv_cache.policy"},
+      {[](v1::ChatRequest* r) { r->mutable_kv_cache()->set_budget(0); }, "kv_cache.budget"},
+      {[](v1::ChatRequest* r) { r->mutable_kv_cache()->set_budget(1.5); }, "kv_cache.budget"},
+      {[](v1::ChatRequest* r) { r->mutable_messages(0)->set_role(v1::ROLE_ASSISTANT); },
+       "messages[0].content[0].image"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    v1::ChatRequest req = Request("What is it?", 4, true);
+    cases[i].edit(&req);
+    for (bool stream : {false, true}) {
+      grpc::ClientContext ctx;
+      grpc::Status s;
+      if (stream) {
+        auto reader = Stub()->ChatStream(&ctx, req);
+        v1::ChatChunk c;
+        while (reader->Read(&c)) {
+        }
+        s = reader->Finish();
+      } else {
+        v1::ChatResponse resp;
+        s = Stub()->Chat(&ctx, req, &resp);
+      }
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+          << "case " << i << ": " << s.error_message();
+      EXPECT_NE(s.error_message().find(cases[i].field), std::string::npos)
+          << "case " << i << ": " << s.error_message();
+    }
+  }
+  grpc::ClientContext ctx;
+  v1::ChatResponse resp;
+  EXPECT_TRUE(Stub()->Chat(&ctx, Request("still there?", 3, true), &resp).ok());
+}
+
+TEST_F(ServerTest, CancellationAndDeadline) {
+  {
+    grpc::ClientContext ctx;
+    auto reader = Stub()->ChatStream(&ctx, Request("describe everything", 400, true));
+    v1::ChatChunk c;
+    ASSERT_TRUE(reader->Read(&c));
+    ctx.TryCancel();
+    while (reader->Read(&c)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 50ms);
+    v1::ChatResponse resp;
+    grpc::Status s = Stub()->Chat(&ctx, Request("describe everything", 400, true), &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  }
+  // The server log shows both requests ending.
+  std::this_thread::sleep_for(200ms);
+  EXPECT_NE(server_->Log().find("finish=cancelled"), std::string::npos);
+}
+
+TEST(ServerLifecycle, QueueOverflowAndSigtermDrain) {
+  testing::ServerProcess server(LLAVA_SERVER_BINARY,
+                                {"--model", ::llava::testing::TestData() + "/tiny-new", "--dtype",
+                                 "f32", "--threads", "1", "--max-batch", "1", "--max-queue", "1"},
+                                ::testing::TempDir() + "/llava-server-lifecycle.log");
+  ASSERT_GT(server.port(), 0) << server.Log();
+  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::LlavaService::NewStub(channel);
+  // One long request runs (450 tokens, no early EOS for this prompt), one may wait, the
+  // others are refused while it runs.
+  v1::ChatRequest long_req = Request("long answer please", 450, false);
+  long_req.mutable_kv_cache()->set_policy(v1::CACHE_POLICY_FULL);
+  {  // The test's premise: this request does not end early (the tiny model is deterministic).
+    ModelOptions o;
+    o.dtype = DType::kF32;
+    auto m = LoadModel(::llava::testing::TestData() + "/tiny-new", o);
+    ASSERT_TRUE(m.ok());
+    auto req = server::ToGenerationRequest(long_req, server::RequestDefaults());
+    ASSERT_TRUE(req.ok());
+    auto res = Generator(**m, EngineLimits{}).Generate(*req, nullptr);
+    ASSERT_TRUE(res.ok());
+    ASSERT_EQ(res->finish, FinishReason::kLength) << "pick a prompt that runs to max_tokens";
+  }
+  grpc::ClientContext c1;
+  c1.set_deadline(std::chrono::system_clock::now() + 30s);
+  auto r1 = stub->ChatStream(&c1, long_req);
+  v1::ChatChunk chunk;
+  ASSERT_TRUE(r1->Read(&chunk));  // running
+  std::vector<grpc::StatusCode> codes(6);
+  std::vector<std::thread> flood;
+  for (size_t i = 0; i < codes.size(); ++i) {
+    flood.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      v1::ChatResponse resp;
+      codes[i] = stub->Chat(&ctx, Request("another", 3, false), &resp).error_code();
+    });
+  }
+  for (auto& t : flood) t.join();
+  const int refused = std::count(codes.begin(), codes.end(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  const int served = std::count(codes.begin(), codes.end(), grpc::StatusCode::OK);
+  EXPECT_GE(refused, 4);
+  EXPECT_EQ(refused + served, 6);
+  grpc::ClientContext c2;
+  c2.set_deadline(std::chrono::system_clock::now() + 30s);
+  auto r2 = stub->ChatStream(&c2, Request("second", 5, false));
+  v1::ChatChunk first2;
+  ASSERT_TRUE(r2->Read(&first2));  // admitted and streaming before the signal
+  // SIGTERM: in-flight requests finish, the process exits 0.
+  std::thread term([&] { EXPECT_EQ(server.Terminate(60s), 0) << server.Log(); });
+  v1::ChatChunk last;
+  while (r1->Read(&chunk)) last = chunk;
+  grpc::Status s1 = r1->Finish();
+  EXPECT_TRUE(s1.ok()) << s1.error_code() << " " << s1.error_message();
+  EXPECT_EQ(last.finish_reason(), v1::FINISH_REASON_LENGTH);
+  while (r2->Read(&chunk)) {
+  }
+  grpc::Status s2 = r2->Finish();
+  EXPECT_TRUE(s2.ok()) << s2.error_code() << " " << s2.error_message();
+  term.join();
+  EXPECT_NE(server.Log().find("draining"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace llava

@@ -1,0 +1,89 @@
+// Runs build/llava-server as a child process on an ephemeral 127.0.0.1 port for end-to-end
+// tests; reads the bound port from its log.
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace llava::testing {
+
+class ServerProcess {
+ public:
+  // Starts `binary` with `args` plus --listen 127.0.0.1:0; waits until it serves.
+  ServerProcess(const std::string& binary, std::vector<std::string> args, const std::string& log)
+      : log_(log) {
+    args.insert(args.begin(), binary);
+    args.push_back("--listen");
+    args.push_back("127.0.0.1:0");
+    std::ofstream(log, std::ios::trunc).close();  // no stale "serving on port" line
+    pid_ = fork();
+    if (pid_ == 0) {
+      FILE* f = freopen(log.c_str(), "w", stdout);
+      (void)f;
+      dup2(fileno(stdout), fileno(stderr));
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(binary.c_str(), argv.data());
+      _exit(127);
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    const std::regex re("serving on port ([0-9]+)");
+    while (std::chrono::steady_clock::now() < until && port_ == 0) {
+      std::smatch m;
+      const std::string text = Log();
+      if (std::regex_search(text, m, re)) port_ = std::stoi(m[1]);
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  int port() const { return port_; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::string Log() const {
+    std::ifstream in(log_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+  // Sends SIGTERM and waits; returns the exit status (or -1 on timeout / signal death).
+  int Terminate(std::chrono::seconds timeout) {
+    if (pid_ <= 0) return -1;
+    kill(pid_, SIGTERM);
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < until) {
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return -1;
+  }
+
+ private:
+  std::string log_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+}  // namespace llava::testing
