@@ -6,7 +6,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 SOURCES := $(shell git ls-files '*.h' '*.cc' 2>/dev/null)
 
-.PHONY: all deps build build-cuda test serve bench test-sanitize format check-format clean
+.PHONY: all deps build build-cuda test serve generate bench test-sanitize format check-format clean
 
 all: build
 
@@ -20,8 +20,12 @@ build: deps
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
-# Until the gRPC server lands, the main job is the offline generator on the bundled example.
+# The gRPC service with the default model (gRPC :50051, metrics :9090). Ctrl-C drains and stops.
 serve: build
+	./$(BUILD)/llava-server --listen 0.0.0.0:50051 --metrics-listen 0.0.0.0:9090
+
+# The offline generator on the bundled example (no server needed).
+generate: build
 	./$(BUILD)/llava-generate --image models/examples/shapes.png \
 	  --prompt "What is in the image?" --max-tokens 32 --stats
 

@@ -17,6 +17,7 @@ PACKAGES=(
   sentencepiece                       # spm_train / spm_encode, run as separate processes only
   clang-format
   gnuplot-nox                         # llava-eval's plots
+  prometheus                          # promtool: checks the /metrics exposition in tests
 )
 
 missing=()

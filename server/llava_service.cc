@@ -40,6 +40,17 @@ void LogRequest(const std::string& id, const GenerationRequest& req,
       r.kv.full_equivalent_bytes, 100 * saved, queue_s, r.ttft_seconds, r.total_seconds);
 }
 
+// Measures the time between consecutive pieces of text of one request (engine thread).
+struct InterTokenClock {
+  std::optional<std::chrono::steady_clock::time_point> last;
+  void Tick(ServingMetrics* metrics) {
+    const auto now = std::chrono::steady_clock::now();
+    if (last && metrics)
+      metrics->RecordInterToken(std::chrono::duration<double>(now - *last).count());
+    last = now;
+  }
+};
+
 // Unary Chat: collects the answer, finishes the call when the engine is done.
 class ChatReactor final : public grpc::ServerUnaryReactor {
  public:
@@ -52,6 +63,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
         service->Start(context, *request, observer, &id, &observer->request_id, &observer->request);
     if (!s.ok()) {
       spdlog::warn("request rejected: {}", s.ToString());
+      if (service->metrics()) service->metrics()->RecordRejected(s);
       Finish(ToGrpcStatus(s));
       return;
     }
@@ -65,11 +77,17 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
 
  private:
   struct Observer : RequestObserver {
-    Observer(ChatReactor* r, v1::ChatResponse* resp) : reactor(r), response(resp) {}
+    Observer(ChatReactor* r, v1::ChatResponse* resp) : reactor(r), response(resp) {
+      metrics = r->service_->metrics();
+    }
     void OnAdmitted(double q) override { queue_seconds = q; }
-    void OnText(const std::string& delta) override { text += delta; }
+    void OnText(const std::string& delta) override {
+      text += delta;
+      gaps.Tick(metrics);
+    }
     void OnFinished(const StatusOr<GenerationResult>& result) override {
       LogRequest(request_id, request, result, queue_seconds);
+      if (metrics) metrics->RecordFinished(result, queue_seconds);
       if (!result.ok()) {
         reactor->Finish(ToGrpcStatus(result.status()));  // the reactor may be gone after this
         return;
@@ -82,6 +100,8 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     }
     ChatReactor* reactor;
     v1::ChatResponse* response;
+    ServingMetrics* metrics;
+    InterTokenClock gaps;
     std::string text, request_id;
     GenerationRequest request;
     double queue_seconds = 0;
@@ -104,6 +124,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
                               &observer_->request);
     if (!s.ok()) {
       spdlog::warn("request rejected: {}", s.ToString());
+      if (service->metrics()) service->metrics()->RecordRejected(s);
       Finish(ToGrpcStatus(s));
       return;
     }
@@ -123,9 +144,10 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
 
  private:
   struct Observer : RequestObserver {
-    explicit Observer(ChatStreamReactor* r) : reactor(r) {}
+    explicit Observer(ChatStreamReactor* r) : reactor(r), metrics(r->service_->metrics()) {}
     void OnAdmitted(double q) override { queue_seconds = q; }
     void OnText(const std::string& delta) override {
+      gaps.Tick(metrics);
       v1::ChatChunk chunk;
       chunk.set_request_id(request_id);
       chunk.set_text_delta(delta);
@@ -133,6 +155,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
     }
     void OnFinished(const StatusOr<GenerationResult>& result) override {
       LogRequest(request_id, request, result, queue_seconds);
+      if (metrics) metrics->RecordFinished(result, queue_seconds);
       if (!result.ok()) {
         reactor->Enqueue(std::nullopt, ToGrpcStatus(result.status()));
         return;
@@ -144,6 +167,8 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
       reactor->Enqueue(std::move(last), grpc::Status::OK);
     }
     ChatStreamReactor* reactor;
+    ServingMetrics* metrics;
+    InterTokenClock gaps;
     std::string request_id;
     GenerationRequest request;
     double queue_seconds = 0;

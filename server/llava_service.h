@@ -9,6 +9,7 @@
 #include "engine/engine.h"
 #include "llava/v1/llava.grpc.pb.h"
 #include "server/convert.h"
+#include "server/metrics.h"
 
 namespace llava::server {
 
@@ -18,6 +19,7 @@ struct ServiceConfig {
   std::string dtype = "bf16";
   int max_tokens_limit = 4096;
   int64_t kv_cache_bytes = 0;
+  ServingMetrics* metrics = nullptr;  // not owned; may be null
 };
 
 class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
@@ -41,6 +43,7 @@ class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
                std::string* request_id, GenerationRequest* converted);
 
   Engine* engine() { return engine_; }
+  ServingMetrics* metrics() { return config_.metrics; }
 
  private:
   Engine* engine_;

@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <csignal>
 #include <thread>
 
@@ -26,6 +27,7 @@ void OnSignal(int sig) { g_signal = sig; }
 int main(int argc, char** argv) {
   CLI::App app{"llava-server: multimodal chat over gRPC with per-request KV-cache policies"};
   std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, listen = "0.0.0.0:50051";
+  std::string metrics_listen = "0.0.0.0:9090";
   std::string dtype = "bf16", device = "cpu", policy = "elastic";
   double budget = 0.5, kv_gib = 4.0, grace_s = 30;
   int threads = 0, max_batch = 8, max_queue = 64, default_max_tokens = 256;
@@ -36,6 +38,9 @@ int main(int argc, char** argv) {
       ->envname(env("MODEL"))
       ->capture_default_str();
   app.add_option("--listen", listen, "gRPC address")->envname(env("LISTEN"))->capture_default_str();
+  app.add_option("--metrics-listen", metrics_listen, "HTTP address of /metrics and /healthz")
+      ->envname(env("METRICS_LISTEN"))
+      ->capture_default_str();
   app.add_option("--kv-cache-gib", kv_gib, "KV byte budget for admission, GiB")
       ->envname(env("KV_CACHE_GIB"))
       ->capture_default_str();
@@ -117,7 +122,21 @@ int main(int argc, char** argv) {
     spdlog::error("--default-budget: {}", s.ToString());
     return 2;
   }
+  llava::server::ServingMetrics metrics;
+  sc.metrics = &metrics;
   llava::server::LlavaServiceImpl service(&engine, **loaded, sc);
+  std::atomic<bool> serving{false};
+  llava::server::MetricsHttpServer http(
+      [&] {
+        metrics.UpdateFromEngine(engine.Snapshot());
+        return metrics.Serialize();
+      },
+      [&] { return serving.load(); });
+  const int metrics_port = http.Start(metrics_listen);
+  if (metrics_port < 0) {
+    spdlog::error("cannot listen on --metrics-listen {}", metrics_listen);
+    return 1;
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -132,6 +151,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   server->GetHealthCheckService()->SetServingStatus(true);
+  serving = true;
+  spdlog::info("metrics on port {} (/metrics, /healthz)", metrics_port);
   // The bound port on its own line, for scripts and tests that listen on port 0.
   spdlog::info(
       "serving on port {} (model {}, default policy {} budget {:.2f}, KV budget {:.2f} GiB)",
@@ -143,6 +164,7 @@ int main(int argc, char** argv) {
 
   spdlog::info("signal {}: draining for up to {:.0f} s", static_cast<int>(g_signal), grace_s);
   server->GetHealthCheckService()->SetServingStatus(false);
+  serving = false;
   const auto grace = std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
   // New RPCs are refused from here; running ones finish (or are cancelled at the deadline).
   std::thread drain([&] { engine.Shutdown(grace); });

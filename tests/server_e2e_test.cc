@@ -265,9 +265,44 @@ TEST_F(ServerTest, CancellationAndDeadline) {
     grpc::Status s = Stub()->Chat(&ctx, Request("describe everything", 400, true), &resp);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
   }
-  // The server log shows both requests ending.
+  // The server log shows both requests ending, and the KV cache is empty again.
   std::this_thread::sleep_for(200ms);
   EXPECT_NE(server_->Log().find("finish=cancelled"), std::string::npos);
+  const std::string metrics = server_->HttpGet("/metrics");
+  EXPECT_NE(metrics.find("\nllava_kv_cache_used_bytes 0\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nllava_num_requests_running 0\n"), std::string::npos);
+  EXPECT_NE(metrics.find("llava_request_success_total{finish_reason=\"cancelled\"} 1"),
+            std::string::npos);
+  EXPECT_NE(metrics.find("llava_request_status_total{code=\"DEADLINE_EXCEEDED\"} 1"),
+            std::string::npos);
+}
+
+TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
+  grpc::ClientContext ctx;
+  v1::ChatResponse resp;
+  ASSERT_TRUE(Stub()->Chat(&ctx, Request("metrics please", 5, true), &resp).ok());
+  const std::string http = server_->HttpGet("/metrics");
+  ASSERT_EQ(http.rfind("HTTP/1.1 200 OK", 0), 0u) << http.substr(0, 200);
+  for (const char* series :
+       {"llava_num_requests_running", "llava_num_requests_waiting", "llava_kv_cache_usage_ratio",
+        "llava_kv_cache_used_bytes", "llava_kv_cache_full_equivalent_bytes",
+        "llava_kv_cache_budget_bytes", "llava_kv_compression_ratio_bucket",
+        "llava_kv_tokens_merged_total", "llava_kv_tokens_evicted_total",
+        "llava_time_to_first_token_seconds_bucket", "llava_inter_token_latency_seconds_bucket",
+        "llava_e2e_request_latency_seconds_bucket", "llava_request_queue_time_seconds_bucket",
+        "llava_vision_encode_seconds_bucket", "llava_prompt_tokens_total",
+        "llava_generation_tokens_total", "llava_request_success_total{finish_reason=",
+        "llava_request_status_total{code=", "llava_batch_size"}) {
+    EXPECT_NE(http.find(series), std::string::npos) << series;
+  }
+  EXPECT_EQ(server_->HttpGet("/healthz").rfind("HTTP/1.1 200 OK", 0), 0u);
+  EXPECT_EQ(server_->HttpGet("/nope").rfind("HTTP/1.1 404", 0), 0u);
+  // promtool (Debian's prometheus package) validates the exposition format.
+  const std::string body = http.substr(http.find("\r\n\r\n") + 4);
+  const std::string path = ::testing::TempDir() + "/metrics.txt";
+  ::llava::testing::WriteFile(path, body);
+  ASSERT_EQ(std::system("command -v promtool > /dev/null"), 0) << "promtool is not installed";
+  EXPECT_EQ(std::system(("promtool check metrics < '" + path + "'").c_str()), 0) << body;
 }
 
 TEST(ServerLifecycle, QueueOverflowAndSigtermDrain) {

@@ -2,7 +2,10 @@
 // tests; reads the bound port from its log.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,6 +27,8 @@ class ServerProcess {
     args.insert(args.begin(), binary);
     args.push_back("--listen");
     args.push_back("127.0.0.1:0");
+    args.push_back("--metrics-listen");
+    args.push_back("127.0.0.1:0");
     std::ofstream(log, std::ios::trunc).close();  // no stale "serving on port" line
     pid_ = fork();
     if (pid_ == 0) {
@@ -37,11 +42,12 @@ class ServerProcess {
       _exit(127);
     }
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    const std::regex re("serving on port ([0-9]+)");
-    while (std::chrono::steady_clock::now() < until && port_ == 0) {
+    const std::regex re("serving on port ([0-9]+)"), mre("metrics on port ([0-9]+)");
+    while (std::chrono::steady_clock::now() < until && (port_ == 0 || metrics_port_ == 0)) {
       std::smatch m;
       const std::string text = Log();
       if (std::regex_search(text, m, re)) port_ = std::stoi(m[1]);
+      if (std::regex_search(text, m, mre)) metrics_port_ = std::stoi(m[1]);
       int status;
       if (waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
@@ -57,6 +63,25 @@ class ServerProcess {
     }
   }
   int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  // GET `path` from the metrics HTTP port; returns the whole response (headers and body).
+  std::string HttpGet(const std::string& path) const {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(metrics_port_));
+    ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+    std::string out;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      const std::string req = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
+      ::send(fd, req.data(), req.size(), 0);
+      char buf[4096];
+      ssize_t n;
+      while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
+    }
+    ::close(fd);
+    return out;
+  }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   std::string Log() const {
     std::ifstream in(log_);
@@ -84,6 +109,7 @@ class ServerProcess {
   std::string log_;
   pid_t pid_ = -1;
   int port_ = 0;
+  int metrics_port_ = 0;
 };
 
 }  // namespace llava::testing

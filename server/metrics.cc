@@ -1,0 +1,226 @@
+#include "server/metrics.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <prometheus/text_serializer.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+namespace llava::server {
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+using prometheus::Histogram;
+
+Histogram::BucketBoundaries LatencyBuckets() {
+  return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+}
+
+const char* StatusName(StatusCode c) {
+  switch (c) {
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case StatusCode::kNotFound:
+      return "NOT_FOUND";
+    case StatusCode::kDataLoss:
+      return "DATA_LOSS";
+    case StatusCode::kResourceExhausted:
+      return "RESOURCE_EXHAUSTED";
+    case StatusCode::kFailedPrecondition:
+      return "FAILED_PRECONDITION";
+    case StatusCode::kUnimplemented:
+      return "UNIMPLEMENTED";
+    case StatusCode::kInternal:
+      return "INTERNAL";
+    case StatusCode::kUnavailable:
+      return "UNAVAILABLE";
+    case StatusCode::kDeadlineExceeded:
+      return "DEADLINE_EXCEEDED";
+    case StatusCode::kCancelled:
+      return "CANCELLED";
+  }
+  return "UNKNOWN";
+}
+
+}  // namespace
+
+ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  auto gauge = [&](const char* name, const char* help) {
+    return &BuildGauge().Name(name).Help(help).Register(*registry_).Add({});
+  };
+  auto counter = [&](const char* name, const char* help) {
+    return &BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
+  };
+  auto histogram = [&](const char* name, const char* help, Histogram::BucketBoundaries b) {
+    return &BuildHistogram().Name(name).Help(help).Register(*registry_).Add({}, std::move(b));
+  };
+  running_ = gauge("llava_num_requests_running", "Requests in the running batch.");
+  waiting_ = gauge("llava_num_requests_waiting", "Requests waiting for admission.");
+  kv_usage_ratio_ = gauge("llava_kv_cache_usage_ratio",
+                          "KV bytes reserved by running requests / the KV byte budget (0-1).");
+  kv_used_bytes_ = gauge("llava_kv_cache_used_bytes", "KV cache bytes held by running requests.");
+  kv_full_bytes_ = gauge("llava_kv_cache_full_equivalent_bytes",
+                         "KV bytes the Full policy would hold for the running requests.");
+  kv_reserved_bytes_ = gauge("llava_kv_cache_reserved_bytes",
+                             "KV bytes reserved by admission for the running requests.");
+  kv_budget_bytes_ = gauge("llava_kv_cache_budget_bytes", "The KV byte budget for admission.");
+  batch_size_ = gauge("llava_batch_size", "Sequences in the last decode step.");
+  compression_ratio_ = histogram(
+      "llava_kv_compression_ratio", "KV bytes kept / full-equivalent bytes at request end.",
+      {0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0});
+  merged_ =
+      counter("llava_kv_tokens_merged_total", "Prompt entries merged into anchors (per layer).");
+  evicted_ = counter("llava_kv_tokens_evicted_total", "KV entries evicted (per layer).");
+  prompt_tokens_ =
+      counter("llava_prompt_tokens_total", "Prompt tokens processed, image tokens included.");
+  generation_tokens_ = counter("llava_generation_tokens_total", "Tokens generated.");
+  ttft_ =
+      histogram("llava_time_to_first_token_seconds", "Arrival to first token.", LatencyBuckets());
+  inter_token_ = histogram(
+      "llava_inter_token_latency_seconds", "Time between streamed tokens.",
+      {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0});
+  e2e_ = histogram("llava_e2e_request_latency_seconds", "Arrival to the end of the request.",
+                   LatencyBuckets());
+  queue_time_ = histogram("llava_request_queue_time_seconds", "Time waiting for admission.",
+                          LatencyBuckets());
+  vision_ = histogram("llava_vision_encode_seconds", "Vision tower + projector per request.",
+                      LatencyBuckets());
+  finished_ = &BuildCounter()
+                   .Name("llava_request_success_total")
+                   .Help("Finished requests by finish reason.")
+                   .Register(*registry_);
+  status_ = &BuildCounter()
+                 .Name("llava_request_status_total")
+                 .Help("Requests by final gRPC status code.")
+                 .Register(*registry_);
+  for (const char* r : {"stop", "length", "cancelled", "error"})
+    finished_->Add({{"finish_reason", r}});
+  status_->Add({{"code", "OK"}});
+}
+
+void ServingMetrics::RecordFinished(const StatusOr<GenerationResult>& result, double queue_s) {
+  queue_time_->Observe(queue_s);
+  if (!result.ok()) {
+    RecordRejected(result.status());
+    finished_->Add({{"finish_reason", "error"}}).Increment();
+    return;
+  }
+  const GenerationResult& r = *result;
+  finished_->Add({{"finish_reason", FinishReasonName(r.finish)}}).Increment();
+  status_->Add({{"code", "OK"}}).Increment();
+  prompt_tokens_->Increment(r.prompt_tokens);
+  generation_tokens_->Increment(r.completion_tokens);
+  merged_->Increment(static_cast<double>(r.kv.tokens_merged));
+  evicted_->Increment(static_cast<double>(r.kv.tokens_evicted));
+  if (r.kv.full_equivalent_bytes > 0) {
+    compression_ratio_->Observe(double(r.kv.bytes_kept) / r.kv.full_equivalent_bytes);
+  }
+  if (r.completion_tokens > 0) ttft_->Observe(r.ttft_seconds);
+  e2e_->Observe(r.total_seconds);
+  if (r.vision_seconds > 0) vision_->Observe(r.vision_seconds);
+}
+
+void ServingMetrics::RecordRejected(const Status& status) {
+  status_->Add({{"code", StatusName(status.code())}}).Increment();
+}
+
+void ServingMetrics::UpdateFromEngine(const EngineSnapshot& s) {
+  running_->Set(s.running);
+  waiting_->Set(s.waiting);
+  kv_used_bytes_->Set(static_cast<double>(s.kv_bytes_used));
+  kv_full_bytes_->Set(static_cast<double>(s.kv_bytes_full_equivalent));
+  kv_reserved_bytes_->Set(static_cast<double>(s.kv_bytes_reserved));
+  kv_budget_bytes_->Set(static_cast<double>(s.kv_budget_bytes));
+  kv_usage_ratio_->Set(s.kv_budget_bytes > 0 ? double(s.kv_bytes_reserved) / s.kv_budget_bytes : 0);
+  batch_size_->Set(s.last_batch_size);
+}
+
+std::string ServingMetrics::Serialize() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+MetricsHttpServer::MetricsHttpServer(std::function<std::string()> metrics,
+                                     std::function<bool()> healthy)
+    : metrics_(std::move(metrics)), healthy_(std::move(healthy)) {}
+
+MetricsHttpServer::~MetricsHttpServer() { Stop(); }
+
+int MetricsHttpServer::Start(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return -1;
+  const std::string host = address.substr(0, colon);
+  const int port = std::atoi(address.c_str() + colon + 1);
+  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) return -1;
+  int one = 1;
+  ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (::inet_pton(AF_INET, host.empty() ? "0.0.0.0" : host.c_str(), &addr.sin_addr) != 1 ||
+      ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(fd_, 16) != 0) {
+    ::close(fd_);
+    fd_ = -1;
+    return -1;
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+  thread_ = std::thread([this] { Serve(); });
+  return ntohs(addr.sin_port);
+}
+
+void MetricsHttpServer::Stop() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+void MetricsHttpServer::Serve() {
+  while (!stop_) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, 200) <= 0) continue;
+    const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) continue;
+    timeval tv{2, 0};  // a slow client cannot hold the endpoint
+    ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    std::string req;
+    char buf[2048];
+    while (req.find("\r\n\r\n") == std::string::npos && req.size() < 8192) {
+      const ssize_t n = ::recv(c, buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      req.append(buf, static_cast<size_t>(n));
+    }
+    const std::string line = req.substr(0, req.find("\r\n"));
+    std::string status = "404 Not Found", type = "text/plain", body = "not found\n";
+    if (line.rfind("GET /metrics", 0) == 0) {
+      status = "200 OK";
+      type = "text/plain; version=0.0.4; charset=utf-8";
+      body = metrics_();
+    } else if (line.rfind("GET /healthz", 0) == 0) {
+      const bool ok = healthy_();
+      status = ok ? "200 OK" : "503 Service Unavailable";
+      body = ok ? "ok\n" : "not serving\n";
+    }
+    const std::string resp = "HTTP/1.1 " + status + "\r\nContent-Type: " + type +
+                             "\r\nContent-Length: " + std::to_string(body.size()) +
+                             "\r\nConnection: close\r\n\r\n" + body;
+    size_t sent = 0;
+    while (sent < resp.size()) {
+      const ssize_t n = ::send(c, resp.data() + sent, resp.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) break;
+      sent += static_cast<size_t>(n);
+    }
+    ::close(c);
+  }
+}
+
+}  // namespace llava::server

@@ -1,0 +1,84 @@
+// Prometheus metrics of the service (vLLM-style names under the llava_ prefix) and the small
+// HTTP endpoint that serves them. prometheus-cpp's own exposer (civetweb) cannot start its
+// threads in a libtorch + OpenBLAS process (DESIGN.md section 6), so /metrics and /healthz are
+// served by MetricsHttpServer below, with prometheus-cpp's core registry and text serializer.
+//
+// Thread safety: all methods may be called from any thread.
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "engine/engine.h"
+
+namespace llava::server {
+
+class ServingMetrics {
+ public:
+  ServingMetrics();
+
+  // A request ended (any outcome): latencies, tokens, KV savings, outcome counters.
+  void RecordFinished(const StatusOr<GenerationResult>& result, double queue_seconds);
+  // A request was refused before it reached the engine (bad input, full queue, ...).
+  void RecordRejected(const Status& status);
+  // Time between two streamed pieces of one request.
+  void RecordInterToken(double seconds) { inter_token_->Observe(seconds); }
+  // Refreshes the gauges from the engine (called before each scrape).
+  void UpdateFromEngine(const EngineSnapshot& s);
+  // Prometheus text exposition format.
+  std::string Serialize() const;
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Gauge* running_;
+  prometheus::Gauge* waiting_;
+  prometheus::Gauge* kv_usage_ratio_;
+  prometheus::Gauge* kv_used_bytes_;
+  prometheus::Gauge* kv_full_bytes_;
+  prometheus::Gauge* kv_reserved_bytes_;
+  prometheus::Gauge* kv_budget_bytes_;
+  prometheus::Gauge* batch_size_;
+  prometheus::Histogram* compression_ratio_;
+  prometheus::Counter* merged_;
+  prometheus::Counter* evicted_;
+  prometheus::Counter* prompt_tokens_;
+  prometheus::Counter* generation_tokens_;
+  prometheus::Histogram* ttft_;
+  prometheus::Histogram* inter_token_;
+  prometheus::Histogram* e2e_;
+  prometheus::Histogram* queue_time_;
+  prometheus::Histogram* vision_;
+  prometheus::Family<prometheus::Counter>* finished_;  // by finish_reason
+  prometheus::Family<prometheus::Counter>* status_;    // by gRPC status code
+};
+
+// GET /metrics (Prometheus text) and GET /healthz on a plain TCP port, one thread.
+class MetricsHttpServer {
+ public:
+  // `metrics` is called per scrape and returns the body; `healthy` for /healthz.
+  MetricsHttpServer(std::function<std::string()> metrics, std::function<bool()> healthy);
+  ~MetricsHttpServer();
+  // Binds "host:port" (port 0 = ephemeral); returns the bound port or -1.
+  int Start(const std::string& address);
+  void Stop();
+
+ private:
+  void Serve();
+  std::function<std::string()> metrics_;
+  std::function<bool()> healthy_;
+  int fd_ = -1;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace llava::server
