@@ -1,5 +1,4 @@
-# Build and run llava-elastic on Debian 12. The service issue turns the entrypoint into the
-# gRPC server; for now the image runs the offline generator.
+# Build and run llava-server on Debian 12 (gRPC :50051, metrics :9090).
 FROM debian:12 AS build
 WORKDIR /src
 COPY scripts/install-deps.sh scripts/install-deps.sh
@@ -13,10 +12,11 @@ FROM debian:12
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       libtorch1.13 libopenblas0-pthread libopencv-core406 libopencv-imgproc406 \
-      libopencv-imgcodecs406 libspdlog1.10 libprotobuf32 \
+      libopencv-imgcodecs406 libspdlog1.10 libprotobuf32 libgrpc++1.51 libprometheus-cpp-core1.0 \
  && rm -rf /var/lib/apt/lists/*
-COPY --from=build /src/build/llava-generate /src/build/llava-tokenize /usr/local/bin/
+COPY --from=build /src/build/llava-server /src/build/llava-chat /src/build/llava-generate /usr/local/bin/
 COPY --from=build /src/build/tiny-model /opt/llava/models/default
 COPY models/examples /opt/llava/examples
-ENTRYPOINT ["llava-generate"]
-CMD ["--image", "/opt/llava/examples/shapes.png", "--prompt", "What is in the image?"]
+EXPOSE 50051 9090
+ENTRYPOINT ["llava-server"]
+CMD ["--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9090"]
