@@ -99,7 +99,8 @@ std::optional<std::string> Ask(llava::v1::LlavaService::Stub* stub, const ChatRe
     return std::nullopt;
   }
   const auto& u = last.usage();
-  const double saved = u.kv_bytes_full() > 0 ? 100.0 * (1.0 - double(u.kv_bytes_used()) / u.kv_bytes_full()) : 0;
+  const double saved =
+      u.kv_bytes_full() > 0 ? 100.0 * (1.0 - double(u.kv_bytes_used()) / u.kv_bytes_full()) : 0;
   std::cerr << "[" << llava::v1::FinishReason_Name(last.finish_reason()) << "] prompt "
             << u.prompt_tokens() << " tokens (" << u.image_tokens() << " image), completion "
             << u.completion_tokens() << " tokens; KV " << u.kv_bytes_used() << " of "
