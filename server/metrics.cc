@@ -114,7 +114,7 @@ void ServingMetrics::RecordFinished(const StatusOr<GenerationResult>& result, do
   }
   const GenerationResult& r = *result;
   finished_->Add({{"finish_reason", FinishReasonName(r.finish)}}).Increment();
-  status_->Add({{"code", "OK"}}).Increment();
+  status_->Add({{"code", r.finish == FinishReason::kCancelled ? "CANCELLED" : "OK"}}).Increment();
   prompt_tokens_->Increment(r.prompt_tokens);
   generation_tokens_->Increment(r.completion_tokens);
   merged_->Increment(static_cast<double>(r.kv.tokens_merged));

@@ -136,7 +136,8 @@ Status WriteLlavaCheckpoint(const std::string& dir, const LlavaConfig& config,
 
 std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaConfig& c,
                                                                    uint64_t seed,
-                                                                   at::ScalarType dtype) {
+                                                                   at::ScalarType dtype,
+                                                                   double matrix_std) {
   at::Generator gen = at::detail::createCPUGenerator(seed);
   std::vector<std::pair<std::string, at::Tensor>> w;
   auto randn = [&](std::vector<int64_t> shape, double std) {
@@ -144,7 +145,7 @@ std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaCo
   };
   auto norm = [&](int64_t d) { return (1.0 + at::randn({d}, gen, at::kFloat) * 0.1).to(dtype); };
   auto linear = [&](const std::string& name, int64_t out, int64_t in, bool bias) {
-    w.emplace_back(name + ".weight", randn({out, in}, 0.2));
+    w.emplace_back(name + ".weight", randn({out, in}, matrix_std));
     if (bias) w.emplace_back(name + ".bias", randn({out}, 0.05));
   };
   const VisionConfig& v = c.vision;
@@ -189,7 +190,9 @@ std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaCo
     linear(p + ".mlp.down_proj", d, t.intermediate_size, false);
   }
   w.emplace_back("lm.norm.weight", norm(d));
-  if (!t.tie_word_embeddings) w.emplace_back("lm_head.weight", randn({t.vocab_size, d}, 0.2));
+  if (!t.tie_word_embeddings) {
+    w.emplace_back("lm_head.weight", randn({t.vocab_size, d}, matrix_std));
+  }
   return w;
 }
 

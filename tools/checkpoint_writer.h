@@ -29,10 +29,12 @@ Status WriteLlavaCheckpoint(const std::string& dir, const LlavaConfig& config,
                             const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                             TensorNaming naming, int shards);
 
-// Random weights for `c` with fixed `seed` (std 0.2 matrices, norms near 1), canonical names,
-// every tensor a real llava-hf checkpoint has (including the unused last vision layer).
+// Random weights for `c` with fixed `seed` (matrices ~N(0, matrix_std), norms near 1),
+// canonical names, every tensor a real llava-hf checkpoint has (including the unused last
+// vision layer). Wide models need a small matrix_std (0.02) to keep activations finite in bf16.
 std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaConfig& c,
                                                                    uint64_t seed,
-                                                                   at::ScalarType dtype);
+                                                                   at::ScalarType dtype,
+                                                                   double matrix_std = 0.2);
 
 }  // namespace llava

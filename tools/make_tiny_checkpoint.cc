@@ -48,6 +48,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   app.add_option("--seed", seed, "random seed");
   app.add_option("--vocab", vocab, "SentencePiece vocabulary size");
+  std::string preset = "tiny";
+  app.add_option("--preset", preset,
+                 "tiny: a 2-layer toy for tests; bench: 4 decoder layers at LLaVA-1.5-7B shapes "
+                 "(hidden 4096, FFN 11008, 32 heads; ~2 GB in bf16) for serving benchmarks")
+      ->check(CLI::IsMember({"tiny", "bench"}));
   CLI11_PARSE(app, argc, argv);
   llava::InitTorchThreads(1);
 
@@ -94,11 +99,29 @@ int main(int argc, char** argv) {
   c.text.max_position_embeddings = 512;
   c.text.rms_norm_eps = 1e-5;
   c.image_token_index = (*tok)->PieceToId("<image>");
+  double matrix_std = 0.2;
+  if (preset == "bench") {
+    c.vision.hidden_size = 256;
+    c.vision.intermediate_size = 1024;
+    c.vision.num_hidden_layers = 4;
+    c.vision.num_attention_heads = 4;
+    c.vision.image_size = 224;
+    c.vision.patch_size = 14;  // 256 image tokens
+    c.image_processor.shortest_edge = c.image_processor.crop_height = c.image_processor.crop_width =
+        224;
+    c.text.hidden_size = 4096;
+    c.text.intermediate_size = 11008;
+    c.text.num_hidden_layers = 4;
+    c.text.num_attention_heads = c.text.num_key_value_heads = 32;
+    c.text.head_dim = 128;
+    c.text.max_position_embeddings = 4096;
+    matrix_std = 0.02;
+  }
 
   const at::ScalarType st = dtype == "f32"    ? at::kFloat
                             : dtype == "bf16" ? at::kBFloat16
                                               : at::kHalf;
-  auto weights = llava::RandomLlavaWeights(c, seed, st);
+  auto weights = llava::RandomLlavaWeights(c, seed, st, matrix_std);
   llava::Status s = llava::WriteLlavaCheckpoint(
       out_dir, c, weights, naming == "old" ? llava::TensorNaming::kOld : llava::TensorNaming::kNew,
       shards);
