@@ -195,9 +195,10 @@ void Engine::Loop() {
       }
       Prefill(&batch);
       for (auto& seq : batch) running_.push_back(std::move(seq));
-    } else {
-      DecodeStep();
     }
+    // Every turn also advances every running request by one token, so admissions (whose
+    // prefill is the expensive part) never stall the streams already running for a whole turn.
+    DecodeStep();
 
     // Finished sequences: report and free their caches now.
     std::vector<uint64_t> ended;

@@ -3,8 +3,10 @@
 //
 //   loop: apply cancellations and deadlines -> admit waiting requests while the KV byte budget
 //         allows (Scheduler) -> prefill the admitted ones together -> one decode step for every
-//         running request, linear layers batched across them, attention per request -> stream
-//         each new piece of text to its observer -> free finished requests' caches at once.
+//         running request (the new ones included), linear layers batched across them,
+//         attention per request -> stream each new piece of text to its observer -> free
+//         finished requests' caches at once. (No chunked prefill yet: a long prompt's prefill
+//         delays that turn's decode step for everyone.)
 //
 // Network threads only call Submit/Cancel and read snapshots; everything else happens on the
 // engine thread. Requests are validated and their images decoded on the submitting thread, so
