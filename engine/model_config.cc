@@ -9,15 +9,6 @@ namespace {
 
 using nlohmann::json;
 
-bool ReadFile(const std::string& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  *out = ss.str();
-  return true;
-}
-
 // Reads an optional field with a type check. Returns an error naming `origin:section.key`.
 template <typename T>
 Status Get(const json& obj, const char* key, const std::string& where, T* out) {
@@ -214,8 +205,9 @@ StatusOr<LlavaConfig> ParseLlavaConfig(const std::string& config_json,
 
 StatusOr<LlavaConfig> LoadLlavaConfig(const std::string& dir) {
   std::string config, pre;
-  if (!ReadFile(dir + "/config.json", &config)) return NotFound(dir + "/config.json not found");
-  ReadFile(dir + "/preprocessor_config.json", &pre);  // optional
+  if (!ReadFileToString(dir + "/config.json", &config))
+    return NotFound(dir + "/config.json not found");
+  ReadFileToString(dir + "/preprocessor_config.json", &pre);  // optional
   return ParseLlavaConfig(config, pre, dir + "/config.json");
 }
 

@@ -94,6 +94,10 @@ class [[nodiscard]] StatusOr {
   std::optional<T> value_;
 };
 
+// Reads a whole file; false if it cannot be opened. (Small shared helper: configs, tokenizer
+// models, images, datasets.)
+bool ReadFileToString(const std::string& path, std::string* out);
+
 #define LLAVA_RETURN_IF_ERROR(expr) \
   do {                              \
     ::llava::Status _st = (expr);   \

@@ -17,15 +17,6 @@ namespace {
 constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";       // U+2581 "▁"
 constexpr std::string_view kUnknownSurface = " \xE2\x81\x87 ";  // " ⁇ ", as spm_decode prints
 
-bool ReadFile(const std::string& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  *out = ss.str();
-  return true;
-}
-
 std::string DirOf(const std::string& path) {
   const size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : path.substr(0, slash);
@@ -35,13 +26,14 @@ std::string DirOf(const std::string& path) {
 
 StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& model_path) {
   std::string bytes;
-  if (!ReadFile(model_path, &bytes)) return NotFound(model_path + ": cannot read tokenizer");
+  if (!ReadFileToString(model_path, &bytes))
+    return NotFound(model_path + ": cannot read tokenizer");
   LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, FromProtoBytes(bytes, model_path));
 
   // Hugging Face added tokens (e.g. LLaVA's <image> = 32000, <pad> = 32001).
   const std::string dir = DirOf(model_path);
   std::string text;
-  if (ReadFile(dir + "/added_tokens.json", &text)) {
+  if (ReadFileToString(dir + "/added_tokens.json", &text)) {
     auto j = nlohmann::json::parse(text, nullptr, false);
     if (!j.is_object()) return InvalidArgument(dir + "/added_tokens.json is not a JSON object");
     for (auto it = j.begin(); it != j.end(); ++it) {
@@ -53,7 +45,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& model_pa
       LLAVA_RETURN_IF_ERROR(tok->AddToken(it.key(), id, /*special=*/true));
     }
   }
-  if (ReadFile(dir + "/tokenizer_config.json", &text)) {
+  if (ReadFileToString(dir + "/tokenizer_config.json", &text)) {
     auto j = nlohmann::json::parse(text, nullptr, false);
     if (j.is_object() && j.contains("added_tokens_decoder") &&
         j["added_tokens_decoder"].is_object()) {

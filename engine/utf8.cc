@@ -1,41 +1,6 @@
 #include "engine/utf8.h"
 
-#include "engine/status.h"
-
 namespace llava {
-
-const char* StatusCodeName(StatusCode code) {
-  switch (code) {
-    case StatusCode::kOk:
-      return "OK";
-    case StatusCode::kInvalidArgument:
-      return "INVALID_ARGUMENT";
-    case StatusCode::kNotFound:
-      return "NOT_FOUND";
-    case StatusCode::kDataLoss:
-      return "DATA_LOSS";
-    case StatusCode::kResourceExhausted:
-      return "RESOURCE_EXHAUSTED";
-    case StatusCode::kFailedPrecondition:
-      return "FAILED_PRECONDITION";
-    case StatusCode::kUnimplemented:
-      return "UNIMPLEMENTED";
-    case StatusCode::kInternal:
-      return "INTERNAL";
-    case StatusCode::kUnavailable:
-      return "UNAVAILABLE";
-    case StatusCode::kDeadlineExceeded:
-      return "DEADLINE_EXCEEDED";
-    case StatusCode::kCancelled:
-      return "CANCELLED";
-  }
-  return "UNKNOWN";
-}
-
-std::string Status::ToString() const {
-  if (ok()) return "OK";
-  return std::string(StatusCodeName(code_)) + ": " + message_;
-}
 
 size_t Utf8CharLen(unsigned char lead) {
   if (lead < 0x80) return 1;

@@ -21,34 +21,6 @@ Histogram::BucketBoundaries LatencyBuckets() {
   return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
 }
 
-const char* StatusName(StatusCode c) {
-  switch (c) {
-    case StatusCode::kOk:
-      return "OK";
-    case StatusCode::kInvalidArgument:
-      return "INVALID_ARGUMENT";
-    case StatusCode::kNotFound:
-      return "NOT_FOUND";
-    case StatusCode::kDataLoss:
-      return "DATA_LOSS";
-    case StatusCode::kResourceExhausted:
-      return "RESOURCE_EXHAUSTED";
-    case StatusCode::kFailedPrecondition:
-      return "FAILED_PRECONDITION";
-    case StatusCode::kUnimplemented:
-      return "UNIMPLEMENTED";
-    case StatusCode::kInternal:
-      return "INTERNAL";
-    case StatusCode::kUnavailable:
-      return "UNAVAILABLE";
-    case StatusCode::kDeadlineExceeded:
-      return "DEADLINE_EXCEEDED";
-    case StatusCode::kCancelled:
-      return "CANCELLED";
-  }
-  return "UNKNOWN";
-}
-
 }  // namespace
 
 ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
@@ -128,7 +100,7 @@ void ServingMetrics::RecordFinished(const StatusOr<GenerationResult>& result, do
 }
 
 void ServingMetrics::RecordRejected(const Status& status) {
-  status_->Add({{"code", StatusName(status.code())}}).Increment();
+  status_->Add({{"code", StatusCodeName(status.code())}}).Increment();
 }
 
 void ServingMetrics::UpdateFromEngine(const EngineSnapshot& s) {

@@ -36,15 +36,6 @@ struct Sample {
   std::string answer, short_answer;
 };
 
-bool ReadFile(const std::string& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  *out = ss.str();
-  return true;
-}
-
 llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int limit) {
   std::ifstream in(path);
   if (!in) return llava::NotFound(path + ": cannot open dataset");
@@ -73,7 +64,8 @@ llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int li
     for (const auto& rel : images) {
       std::string bytes;
       const std::string p = rel.rfind('/', 0) == 0 ? rel : dir + "/" + rel;
-      if (!ReadFile(p, &bytes)) return llava::NotFound(where + ": image " + p + " not found");
+      if (!llava::ReadFileToString(p, &bytes))
+        return llava::NotFound(where + ": image " + p + " not found");
       s.request.images.push_back(std::move(bytes));
     }
     std::vector<std::pair<std::string, std::string>> turns;

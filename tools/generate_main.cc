@@ -10,19 +10,6 @@
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
 
-namespace {
-
-bool ReadFile(const std::string& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  *out = ss.str();
-  return true;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   CLI::App app{"Generate an answer about an image with a LLaVA model"};
   std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, prompt, dtype = "bf16", device = "cpu";
@@ -87,7 +74,7 @@ int main(int argc, char** argv) {
   llava::ChatMessage user{"user", {}};
   for (size_t i = 0; i < image_paths.size(); ++i) {
     std::string bytes;
-    if (!ReadFile(image_paths[i], &bytes)) {
+    if (!llava::ReadFileToString(image_paths[i], &bytes)) {
       std::fprintf(stderr, "error: cannot read --image %s\n", image_paths[i].c_str());
       return 1;
     }
