@@ -61,11 +61,24 @@ struct EngineSnapshot {
   int last_batch_size = 0;
 };
 
-class Engine {
+// What the network layer needs from an engine; lets the gRPC layer be tested against a
+// scripted fake without a model.
+class EngineApi {
+ public:
+  virtual ~EngineApi() = default;
+  // Contract as Engine::Submit below.
+  virtual Status Submit(uint64_t id, const GenerationRequest& request,
+                        std::shared_ptr<RequestObserver> observer,
+                        std::optional<std::chrono::steady_clock::time_point> deadline) = 0;
+  virtual void Cancel(uint64_t id) = 0;
+  virtual EngineSnapshot Snapshot() const = 0;
+};
+
+class Engine final : public EngineApi {
  public:
   // Borrows `model` (must outlive the engine) and starts the loop thread.
   Engine(const LoadedModel& model, const EngineOptions& options);
-  ~Engine();  // Shutdown(0)
+  ~Engine() override;  // Shutdown(0)
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -76,17 +89,21 @@ class Engine {
   // requests.
   Status Submit(uint64_t id, const GenerationRequest& request,
                 std::shared_ptr<RequestObserver> observer,
-                std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt);
+                std::optional<std::chrono::steady_clock::time_point> deadline) override;
+  Status Submit(uint64_t id, const GenerationRequest& request,
+                std::shared_ptr<RequestObserver> observer) {
+    return Submit(id, request, std::move(observer), std::nullopt);
+  }
 
   // Ends a request with finish reason "cancelled" and frees its cache on the next loop turn.
   // Unknown or finished ids are ignored.
-  void Cancel(uint64_t id);
+  void Cancel(uint64_t id) override;
 
   // Stops accepting, lets running and waiting requests finish for up to `grace`, cancels the
   // rest, and joins the loop. Idempotent.
   void Shutdown(std::chrono::milliseconds grace);
 
-  EngineSnapshot Snapshot() const;  // thread-safe
+  EngineSnapshot Snapshot() const override;  // thread-safe
 
  private:
   struct Pending;

@@ -215,8 +215,23 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
 
 }  // namespace
 
-LlavaServiceImpl::LlavaServiceImpl(Engine* engine, const LoadedModel& model, ServiceConfig config)
-    : engine_(engine), model_(model), config_(std::move(config)) {}
+ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std::string& dtype) {
+  const LlavaConfig& c = model.model->config();
+  const KvLayout layout = model.model->kv_layout();
+  ModelFacts f;
+  f.model_path = path;
+  f.dtype = dtype;
+  f.vocab_size = c.text.vocab_size;
+  f.context_length = c.text.max_position_embeddings;
+  f.image_size = c.vision.image_size;
+  f.image_tokens = c.image_tokens();
+  f.num_layers = layout.num_layers;
+  f.kv_bytes_per_token = layout.num_layers * layout.bytes_per_entry();
+  return f;
+}
+
+LlavaServiceImpl::LlavaServiceImpl(EngineApi* engine, ServiceConfig config)
+    : engine_(engine), config_(std::move(config)) {}
 
 Status LlavaServiceImpl::Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
                                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
@@ -242,20 +257,19 @@ grpc::ServerWriteReactor<v1::ChatChunk>* LlavaServiceImpl::ChatStream(
 grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerContext* context,
                                                          const v1::GetModelInfoRequest*,
                                                          v1::ModelInfo* info) {
-  const LlavaConfig& c = model_.model->config();
-  const KvLayout layout = model_.model->kv_layout();
-  info->set_model_path(config_.model_path);
-  info->set_vocab_size(c.text.vocab_size);
-  info->set_context_length(c.text.max_position_embeddings);
-  info->set_image_size(c.vision.image_size);
-  info->set_image_tokens(c.image_tokens());
-  info->set_num_layers(layout.num_layers);
-  info->set_kv_bytes_per_token(layout.num_layers * layout.bytes_per_entry());
+  const ModelFacts& m = config_.model;
+  info->set_model_path(m.model_path);
+  info->set_vocab_size(m.vocab_size);
+  info->set_context_length(m.context_length);
+  info->set_image_size(m.image_size);
+  info->set_image_tokens(m.image_tokens);
+  info->set_num_layers(m.num_layers);
+  info->set_kv_bytes_per_token(m.kv_bytes_per_token);
   info->set_kv_cache_budget_bytes(config_.kv_cache_bytes);
   info->set_default_policy(ToProto(config_.defaults.kv.policy));
   info->set_default_budget(config_.defaults.kv.budget);
   info->set_max_tokens_limit(config_.max_tokens_limit);
-  info->set_dtype(config_.dtype);
+  info->set_dtype(m.dtype);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

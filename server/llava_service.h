@@ -13,10 +13,17 @@
 
 namespace llava::server {
 
+// Facts about the served model for GetModelInfo.
+struct ModelFacts {
+  std::string model_path, dtype = "bf16";
+  int vocab_size = 0, context_length = 0, image_size = 0, image_tokens = 0, num_layers = 0;
+  int64_t kv_bytes_per_token = 0;
+};
+ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std::string& dtype);
+
 struct ServiceConfig {
   RequestDefaults defaults;
-  std::string model_path;
-  std::string dtype = "bf16";
+  ModelFacts model;
   int max_tokens_limit = 4096;
   int64_t kv_cache_bytes = 0;
   ServingMetrics* metrics = nullptr;  // not owned; may be null
@@ -24,8 +31,8 @@ struct ServiceConfig {
 
 class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
  public:
-  // Borrows `engine` and `model`; both must outlive the service.
-  LlavaServiceImpl(Engine* engine, const LoadedModel& model, ServiceConfig config);
+  // Borrows `engine`, which must outlive the service.
+  LlavaServiceImpl(EngineApi* engine, ServiceConfig config);
 
   grpc::ServerUnaryReactor* Chat(grpc::CallbackServerContext* context,
                                  const v1::ChatRequest* request,
@@ -42,12 +49,11 @@ class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
                std::string* request_id, GenerationRequest* converted);
 
-  Engine* engine() { return engine_; }
+  EngineApi* engine() { return engine_; }
   ServingMetrics* metrics() { return config_.metrics; }
 
  private:
-  Engine* engine_;
-  const LoadedModel& model_;
+  EngineApi* engine_;
   ServiceConfig config_;
   std::atomic<uint64_t> next_id_{1};
 };

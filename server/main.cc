@@ -111,8 +111,7 @@ int main(int argc, char** argv) {
   llava::Engine engine(**loaded, eo);
 
   llava::server::ServiceConfig sc;
-  sc.model_path = model_dir;
-  sc.dtype = dtype;
+  sc.model = llava::server::FactsOf(**loaded, model_dir, dtype);
   sc.max_tokens_limit = max_tokens_limit;
   sc.kv_cache_bytes = eo.kv_cache_bytes;
   sc.defaults.max_tokens = default_max_tokens;
@@ -124,7 +123,7 @@ int main(int argc, char** argv) {
   }
   llava::server::ServingMetrics metrics;
   sc.metrics = &metrics;
-  llava::server::LlavaServiceImpl service(&engine, **loaded, sc);
+  llava::server::LlavaServiceImpl service(&engine, sc);
   std::atomic<bool> serving{false};
   llava::server::MetricsHttpServer http(
       [&] {

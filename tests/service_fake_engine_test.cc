@@ -1,0 +1,213 @@
+// The gRPC layer against a scripted fake engine: no model, exact control of what the engine
+// says, so conversion, streaming order, usage mapping, status mapping and cancellation are
+// checked on their own.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "llava/v1/llava.grpc.pb.h"
+#include "server/llava_service.h"
+
+namespace llava::server {
+namespace {
+
+using namespace std::chrono_literals;
+
+class ScriptedEngine : public EngineApi {
+ public:
+  ~ScriptedEngine() override {
+    for (auto& t : threads_) t.join();
+  }
+  Status Submit(uint64_t id, const GenerationRequest& request,
+                std::shared_ptr<RequestObserver> observer,
+                std::optional<std::chrono::steady_clock::time_point>) override {
+    std::lock_guard<std::mutex> l(mu_);
+    last_request = request;
+    if (!submit_status.ok()) return submit_status;
+    threads_.emplace_back([this, id, observer] {
+      observer->OnAdmitted(0.5);
+      for (const auto& d : deltas) observer->OnText(d);
+      if (wait_for_cancel) {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return std::count(cancelled.begin(), cancelled.end(), id) > 0; });
+        GenerationResult r;
+        r.finish = FinishReason::kCancelled;
+        l.unlock();
+        observer->OnFinished(r);
+        return;
+      }
+      observer->OnFinished(final_result);
+    });
+    return Status::Ok();
+  }
+  void Cancel(uint64_t id) override {
+    std::lock_guard<std::mutex> l(mu_);
+    cancelled.push_back(id);
+    cv_.notify_all();
+  }
+  EngineSnapshot Snapshot() const override { return {}; }
+
+  Status submit_status;
+  std::vector<std::string> deltas = {"Hel", "lo", " wor", "ld"};
+  StatusOr<GenerationResult> final_result = [] {
+    GenerationResult r;
+    r.finish = FinishReason::kStop;
+    r.prompt_tokens = 7;
+    r.image_tokens = 4;
+    r.completion_tokens = 3;
+    r.kv.bytes_kept = 100;
+    r.kv.full_equivalent_bytes = 400;
+    r.kv.tokens_merged = 5;
+    r.kv.tokens_evicted = 2;
+    r.ttft_seconds = 0.25;
+    r.total_seconds = 1.5;
+    return r;
+  }();
+  bool wait_for_cancel = false;
+  GenerationRequest last_request;
+  std::vector<uint64_t> cancelled;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::thread> threads_;
+};
+
+class FakeEngineServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ServiceConfig config;
+    config.defaults.max_tokens = 77;
+    config.defaults.kv.policy = CachePolicy::kElastic;
+    config.defaults.kv.budget = 0.3;
+    config.model.image_tokens = 576;
+    config.model.context_length = 4096;
+    config.model.kv_bytes_per_token = 524288;
+    config.kv_cache_bytes = 1 << 30;
+    service_ = std::make_unique<LlavaServiceImpl>(&engine_, config);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_GT(port, 0);
+    stub_ = v1::LlavaService::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                                          grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override { server_->Shutdown(std::chrono::system_clock::now() + 5s); }
+
+  static v1::ChatRequest Request() {
+    v1::ChatRequest r;
+    r.set_request_id("fake-1");
+    auto* m = r.add_messages();
+    m->set_role(v1::ROLE_USER);
+    m->add_content()->mutable_image()->set_data(std::string("\x89PNG\r\n\x1a\n", 8) +
+                                                std::string(16, '\0'));
+    m->add_content()->set_text("what is it?");
+    r.mutable_sampling()->set_temperature(0.7f);
+    return r;
+  }
+
+  ScriptedEngine engine_;
+  std::unique_ptr<LlavaServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::LlavaService::Stub> stub_;
+};
+
+TEST_F(FakeEngineServiceTest, StreamsDeltasInOrderThenUsage) {
+  grpc::ClientContext ctx;
+  auto reader = stub_->ChatStream(&ctx, Request());
+  std::vector<v1::ChatChunk> chunks;
+  v1::ChatChunk c;
+  while (reader->Read(&c)) chunks.push_back(c);
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_EQ(chunks.size(), 5u);
+  const char* expected[] = {"Hel", "lo", " wor", "ld"};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(chunks[i].text_delta(), expected[i]);
+    EXPECT_EQ(chunks[i].request_id(), "fake-1");
+    EXPECT_EQ(chunks[i].finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
+    EXPECT_FALSE(chunks[i].has_usage());
+  }
+  const v1::ChatChunk& last = chunks.back();
+  EXPECT_EQ(last.text_delta(), "");
+  EXPECT_EQ(last.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(last.usage().prompt_tokens(), 7);
+  EXPECT_EQ(last.usage().image_tokens(), 4);
+  EXPECT_EQ(last.usage().completion_tokens(), 3);
+  EXPECT_EQ(last.usage().kv_bytes_used(), 100);
+  EXPECT_EQ(last.usage().kv_bytes_full(), 400);
+  EXPECT_EQ(last.usage().tokens_merged(), 5);
+  EXPECT_EQ(last.usage().tokens_evicted(), 2);
+  EXPECT_DOUBLE_EQ(last.usage().time_to_first_token_seconds(), 0.25);
+  EXPECT_DOUBLE_EQ(last.usage().queue_seconds(), 0.5);
+}
+
+TEST_F(FakeEngineServiceTest, UnaryCollectsTheTextAndConvertsTheRequest) {
+  grpc::ClientContext ctx;
+  v1::ChatResponse resp;
+  ASSERT_TRUE(stub_->Chat(&ctx, Request(), &resp).ok());
+  EXPECT_EQ(resp.text(), "Hello world");
+  EXPECT_EQ(resp.request_id(), "fake-1");
+  EXPECT_EQ(resp.usage().completion_tokens(), 3);
+  const GenerationRequest& g = engine_.last_request;
+  ASSERT_EQ(g.messages.size(), 1u);
+  EXPECT_EQ(g.messages[0].role, "user");
+  ASSERT_EQ(g.images.size(), 1u);
+  EXPECT_EQ(g.image_fields[0], "messages[0].content[0].image.data");
+  EXPECT_EQ(g.sampling.max_tokens, 77);  // the server default
+  EXPECT_FLOAT_EQ(g.sampling.temperature, 0.7f);
+  EXPECT_EQ(g.kv_cache.policy, CachePolicy::kElastic);
+  EXPECT_DOUBLE_EQ(g.kv_cache.budget, 0.3);
+}
+
+TEST_F(FakeEngineServiceTest, EngineStatusesMapToGrpcCodes) {
+  engine_.submit_status = ResourceExhausted("the request queue is full");
+  grpc::ClientContext c1;
+  v1::ChatResponse resp;
+  grpc::Status s = stub_->Chat(&c1, Request(), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(s.error_message(), "the request queue is full");
+
+  engine_.submit_status = Status::Ok();
+  engine_.final_result = Internal("model failure: out of memory");
+  grpc::ClientContext c2;
+  auto reader = stub_->ChatStream(&c2, Request());
+  v1::ChatChunk c;
+  std::string text;
+  while (reader->Read(&c)) text += c.text_delta();
+  grpc::Status s2 = reader->Finish();
+  EXPECT_EQ(text, "Hello world");  // what was streamed before the failure
+  EXPECT_EQ(s2.error_code(), grpc::StatusCode::INTERNAL);
+}
+
+TEST_F(FakeEngineServiceTest, ClientCancellationReachesTheEngine) {
+  engine_.wait_for_cancel = true;
+  grpc::ClientContext ctx;
+  auto reader = stub_->ChatStream(&ctx, Request());
+  v1::ChatChunk c;
+  ASSERT_TRUE(reader->Read(&c));
+  ctx.TryCancel();
+  while (reader->Read(&c)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  for (int i = 0; i < 500 && engine_.cancelled.empty(); ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(engine_.cancelled.size(), 1u);
+}
+
+TEST_F(FakeEngineServiceTest, ModelInfoReportsFacts) {
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(stub_->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.image_tokens(), 576);
+  EXPECT_EQ(info.context_length(), 4096);
+  EXPECT_EQ(info.kv_bytes_per_token(), 524288);
+  EXPECT_EQ(info.default_policy(), v1::CACHE_POLICY_ELASTIC);
+  EXPECT_DOUBLE_EQ(info.default_budget(), 0.3);
+}
+
+}  // namespace
+}  // namespace llava::server
