@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(
-  build-essential cmake pkg-config git ca-certificates
+  build-essential cmake pkg-config git ca-certificates curl
   # engine
   libtorch-dev libopenblas-dev        # OpenBLAS replaces reference BLAS for libtorch's fp32 GEMM
   libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
