@@ -55,6 +55,19 @@ class LayerBuffer {
   int64_t len_ = 0;
 };
 
+// Entries and bytes of every layer, and what Full would hold after `tokens_seen` tokens.
+KvStats LayerStats(const std::vector<LayerBuffer>& layers, const KvLayout& layout,
+                   int64_t tokens_seen) {
+  KvStats s;
+  s.tokens_seen = tokens_seen;
+  for (const auto& l : layers) {
+    s.entries_per_layer.push_back(l.Length());
+    s.bytes_kept += l.Length() * layout.bytes_per_entry();
+  }
+  s.full_equivalent_bytes = tokens_seen * layout.num_layers * layout.bytes_per_entry();
+  return s;
+}
+
 class FullKvCache final : public KvCache {
  public:
   explicit FullKvCache(const KvLayout& layout) : layout_(layout), layers_(layout.num_layers) {}
@@ -73,16 +86,7 @@ class FullKvCache final : public KvCache {
   void OnForwardDone(int64_t n_new) override { tokens_seen_ += n_new; }
   int64_t NextPosition() const override { return tokens_seen_; }
 
-  KvStats Stats() const override {
-    KvStats s;
-    s.tokens_seen = tokens_seen_;
-    for (const auto& l : layers_) {
-      s.entries_per_layer.push_back(l.Length());
-      s.bytes_kept += l.Length() * layout_.bytes_per_entry();
-    }
-    s.full_equivalent_bytes = tokens_seen_ * layout_.num_layers * layout_.bytes_per_entry();
-    return s;
-  }
+  KvStats Stats() const override { return LayerStats(layers_, layout_, tokens_seen_); }
 
  private:
   KvLayout layout_;
@@ -146,13 +150,7 @@ class CompressingKvCache final : public KvCache {
   }
 
   KvStats Stats() const override {
-    KvStats s;
-    s.tokens_seen = tokens_seen_;
-    for (const auto& l : layers_) {
-      s.entries_per_layer.push_back(l.Length());
-      s.bytes_kept += l.Length() * layout_.bytes_per_entry();
-    }
-    s.full_equivalent_bytes = tokens_seen_ * layout_.num_layers * layout_.bytes_per_entry();
+    KvStats s = LayerStats(layers_, layout_, tokens_seen_);
     s.tokens_merged = merged_ / layout_.num_layers;  // per-layer mean
     s.tokens_evicted = evicted_ / layout_.num_layers;
     return s;
