@@ -1,5 +1,6 @@
 #include "engine/image_io.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <opencv2/core.hpp>
@@ -190,6 +191,95 @@ StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limi
   return out;
 }
 
+// Bicubic resampling as Pillow does it (transformers resizes through PIL.Image.resize):
+// separable, horizontal pass first, Keys kernel with a = -0.5, support widened by the scale
+// factor when shrinking (antialiasing), 22-bit fixed-point weights and 8-bit rounding after each
+// pass. cv::resize(INTER_CUBIC) uses a = -0.75 and no antialiasing, which on a 3x downscale
+// moved normalised pixels by 0.13 on average from what CLIPImageProcessor produces.
+namespace {
+
+double PilBicubic(double x) {
+  constexpr double a = -0.5;
+  x = std::fabs(x);
+  if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0;
+  if (x < 2.0) return (((x - 5.0) * x + 8.0) * x - 4.0) * a;
+  return 0.0;
+}
+
+struct ResampleTaps {
+  std::vector<int> first, count;  // input window per output index
+  std::vector<int32_t> weights;   // [out, ksize] fixed point
+  int ksize = 0;
+};
+
+constexpr int kPrecisionBits = 32 - 8 - 2;
+
+ResampleTaps PilTaps(int in_size, int out_size) {
+  const double scale = static_cast<double>(in_size) / out_size;
+  const double filter_scale = std::max(scale, 1.0);
+  const double support = 2.0 * filter_scale;
+  ResampleTaps t;
+  t.ksize = static_cast<int>(std::ceil(support)) * 2 + 1;
+  t.first.resize(out_size);
+  t.count.resize(out_size);
+  t.weights.assign(static_cast<size_t>(out_size) * t.ksize, 0);
+  std::vector<double> k(t.ksize);
+  for (int o = 0; o < out_size; ++o) {
+    const double center = (o + 0.5) * scale;
+    const int lo = std::max(static_cast<int>(center - support + 0.5), 0);
+    const int hi = std::min(static_cast<int>(center + support + 0.5), in_size);
+    double sum = 0;
+    for (int x = 0; x < hi - lo; ++x) {
+      k[x] = PilBicubic((x + lo - center + 0.5) / filter_scale);
+      sum += k[x];
+    }
+    for (int x = 0; x < hi - lo; ++x) {
+      const double w = sum != 0 ? k[x] / sum : k[x];
+      t.weights[static_cast<size_t>(o) * t.ksize + x] = static_cast<int32_t>(
+          w < 0 ? -0.5 + w * (1 << kPrecisionBits) : 0.5 + w * (1 << kPrecisionBits));
+    }
+    t.first[o] = lo;
+    t.count[o] = hi - lo;
+  }
+  return t;
+}
+
+uint8_t Clip8(int64_t v) {
+  v >>= kPrecisionBits;
+  return static_cast<uint8_t>(std::clamp<int64_t>(v, 0, 255));
+}
+
+cv::Mat ResizeBicubicLikePil(const cv::Mat& src, int out_w, int out_h) {
+  const ResampleTaps hx = PilTaps(src.cols, out_w), vy = PilTaps(src.rows, out_h);
+  cv::Mat mid(src.rows, out_w, CV_8UC3);
+  for (int y = 0; y < src.rows; ++y) {
+    const uint8_t* in = src.ptr<uint8_t>(y);
+    uint8_t* out = mid.ptr<uint8_t>(y);
+    for (int x = 0; x < out_w; ++x) {
+      const int32_t* w = &hx.weights[static_cast<size_t>(x) * hx.ksize];
+      for (int c = 0; c < 3; ++c) {
+        int64_t acc = 1 << (kPrecisionBits - 1);
+        for (int i = 0; i < hx.count[x]; ++i) acc += in[3 * (hx.first[x] + i) + c] * int64_t{w[i]};
+        out[3 * x + c] = Clip8(acc);
+      }
+    }
+  }
+  cv::Mat dst(out_h, out_w, CV_8UC3);
+  for (int y = 0; y < out_h; ++y) {
+    const int32_t* w = &vy.weights[static_cast<size_t>(y) * vy.ksize];
+    uint8_t* out = dst.ptr<uint8_t>(y);
+    for (int x = 0; x < 3 * out_w; ++x) {
+      int64_t acc = 1 << (kPrecisionBits - 1);
+      for (int i = 0; i < vy.count[y]; ++i)
+        acc += mid.ptr<uint8_t>(vy.first[y] + i)[x] * int64_t{w[i]};
+      out[x] = Clip8(acc);
+    }
+  }
+  return dst;
+}
+
+}  // namespace
+
 std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorConfig& cfg) {
   cv::Mat src(image.height, image.width, CV_8UC3, const_cast<uint8_t*>(image.pixels.data()));
   cv::Mat img = src;
@@ -214,7 +304,7 @@ std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorCo
   }
   cv::Mat resized;
   if (new_w != img.cols || new_h != img.rows) {
-    cv::resize(img, resized, cv::Size(new_w, new_h), 0, 0, cv::INTER_CUBIC);
+    resized = ResizeBicubicLikePil(img, new_w, new_h);
   } else {
     resized = img;
   }

@@ -65,6 +65,18 @@ Status ParseText(const json& j, const std::string& where, TextConfig* t) {
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     return Unimplemented(where + ".rope_scaling is not supported");
   }
+  // transformers >= 5 writes {"rope_type": ..., "rope_theta": ...} instead of rope_theta.
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    const json& rp = j["rope_parameters"];
+    const std::string rp_where = where + ".rope_parameters";
+    if (!rp.is_object()) return InvalidArgument(rp_where + " must be an object");
+    std::string type = "default";
+    LLAVA_RETURN_IF_ERROR(Get(rp, "rope_type", rp_where, &type));
+    if (type != "default") {
+      return Unimplemented(rp_where + ".rope_type '" + type + "' is not supported");
+    }
+    LLAVA_RETURN_IF_ERROR(Get(rp, "rope_theta", rp_where, &t->rope_theta));
+  }
   return Status::Ok();
 }
 

@@ -89,10 +89,17 @@ std::unique_ptr<WeightSource> NewTensorMapSource(
 
 StatusOr<std::string> CanonicalTensorName(const std::string& name) {
   static const std::pair<const char*, const char*> kPrefixes[] = {
-      {"language_model.model.", "lm."},          {"model.language_model.", "lm."},
-      {"language_model.lm_head.", "lm_head."},   {"lm_head.", "lm_head."},
-      {"vision_tower.vision_model.", "vision."}, {"model.vision_tower.vision_model.", "vision."},
-      {"multi_modal_projector.", "projector."},  {"model.multi_modal_projector.", "projector."},
+      {"language_model.model.", "lm."},
+      {"model.language_model.", "lm."},
+      {"language_model.lm_head.", "lm_head."},
+      {"lm_head.", "lm_head."},
+      {"vision_tower.vision_model.", "vision."},
+      {"model.vision_tower.vision_model.", "vision."},
+      {"multi_modal_projector.", "projector."},
+      {"model.multi_modal_projector.", "projector."},
+      // transformers >= 5 saves the CLIP transformer without its `vision_model.` wrapper.
+      {"vision_tower.", "vision."},
+      {"model.vision_tower.", "vision."},
   };
   for (const auto& [from, to] : kPrefixes) {
     if (StartsWith(name, from)) return std::string(to) + name.substr(std::string(from).size());
