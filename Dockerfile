@@ -15,7 +15,7 @@ RUN apt-get update -qq \
       libopencv-imgcodecs406 libspdlog1.10 libprotobuf32 libgrpc++1.51 libprometheus-cpp-core1.0 \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/build/llava-server /src/build/llava-chat /src/build/llava-generate /usr/local/bin/
-COPY --from=build /src/build/tiny-model /opt/llava/models/default
+COPY models/shapes-llava /opt/llava/models/default
 COPY models/examples /opt/llava/examples
 EXPOSE 50051 9090
 ENTRYPOINT ["llava-server"]

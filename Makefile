@@ -6,7 +6,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 SOURCES := $(shell git ls-files '*.h' '*.cc' 2>/dev/null)
 
-.PHONY: all deps build build-cuda test serve generate bench test-sanitize format check-format clean
+.PHONY: all deps build build-cuda test serve generate bench train eval-default test-sanitize format check-format clean
 
 all: build
 
@@ -24,10 +24,22 @@ test: build
 serve: build
 	./$(BUILD)/llava-server --listen 0.0.0.0:50051 --metrics-listen 0.0.0.0:9090
 
-# The offline generator on the bundled example (no server needed).
+# The offline generator on a bundled example image (no server needed).
 generate: build
-	./$(BUILD)/llava-generate --image models/examples/shapes.png \
-	  --prompt "What is in the image?" --max-tokens 32 --stats
+	./$(BUILD)/llava-generate --image models/examples/scene1.png \
+	  --prompt "Describe the image in detail." --max-tokens 96 --stats
+
+# Retrains the default model from scratch (~55 min on 2 cores; docs/TRAINING.md). Writes
+# $(BUILD)/shapes-llava; copy it over models/shapes-llava to ship it.
+train: build
+	./$(BUILD)/llava-train --out $(BUILD)/shapes-llava --seed 0 --steps 4200 --batch 16 \
+	  --warmup 200 --max-minutes 58
+
+# The quality table of docs/POLICIES.md: every policy x budget on the held-out split.
+eval-default: build
+	./$(BUILD)/llava-make-data --split heldout --seed 1001 --images 40 --out $(BUILD)/shapes-heldout
+	./$(BUILD)/llava-eval --model models/shapes-llava --dataset $(BUILD)/shapes-heldout/eval.jsonl \
+	  --budgets 1.0,0.8,0.5,0.3,0.2,0.1 --max-tokens 96 --out docs/eval
 
 # Compiles the engine with the CUDA kernels (nvcc from /usr/local/cuda); no GPU needed to build.
 build-cuda: deps

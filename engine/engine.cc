@@ -179,8 +179,8 @@ void Engine::Loop() {
       }
     }
 
+    std::vector<Sequence*> fresh;
     if (!admitted.empty()) {
-      std::vector<std::unique_ptr<Sequence>> batch;
       for (auto& p : admitted) {
         auto seq = std::make_unique<Sequence>();
         seq->admitted = Clock::now();
@@ -191,14 +191,13 @@ void Engine::Loop() {
             PromptTextIds(p->prepared.prompt, model_.model->config().image_token_index),
             model_.model->config().text.eos_token_id);
         seq->req = std::move(p);
-        batch.push_back(std::move(seq));
+        fresh.push_back(seq.get());
+        running_.push_back(std::move(seq));
       }
-      Prefill(&batch);
-      for (auto& seq : batch) running_.push_back(std::move(seq));
     }
-    // Every turn also advances every running request by one token, so admissions (whose
-    // prefill is the expensive part) never stall the streams already running for a whole turn.
-    DecodeStep();
+    // New prompts ride in the same forward pass as the running requests' next token: the
+    // weights are read once per turn, and admissions never stall the running streams.
+    Step(fresh);
 
     // Finished sequences: report and free their caches now.
     std::vector<uint64_t> ended;
@@ -224,12 +223,18 @@ void Engine::Loop() {
   }
 }
 
-void Engine::Prefill(std::vector<std::unique_ptr<Sequence>>* batch) {
+void Engine::Step(const std::vector<Sequence*>& admitted) {
+  std::vector<Sequence*> decoding;
+  for (auto& seq : running_) {
+    const bool is_new = std::find(admitted.begin(), admitted.end(), seq.get()) != admitted.end();
+    if (!is_new && !seq->state->done()) decoding.push_back(seq.get());
+  }
+  if (admitted.empty() && decoding.empty()) return;
   const LlavaModel& model = *model_.model;
   const int crop = model.config().vision.image_size;
   try {
     std::vector<SequenceChunk> chunks;
-    for (auto& seq : *batch) {
+    for (Sequence* seq : admitted) {
       const PreparedRequest& p = seq->req->prepared;
       at::Tensor features;
       if (p.num_images > 0) {
@@ -241,53 +246,41 @@ void Engine::Prefill(std::vector<std::unique_ptr<Sequence>>* batch) {
       chunks.push_back({model.EmbedPrompt(p.prompt.ids, p.prompt.image_offsets, features),
                         seq->cache->NextPosition(), seq->cache.get(), false});
     }
-    at::Tensor logits = model.Forward(chunks);  // [B, V]
-    for (size_t i = 0; i < batch->size(); ++i) {
-      Sequence& seq = *(*batch)[i];
-      at::Tensor row = logits[static_cast<int64_t>(i)].contiguous();
+    if (!decoding.empty()) {
+      std::vector<int64_t> ids;
+      for (Sequence* s : decoding) ids.push_back(s->state->last_token());
+      at::Tensor embeds = model.Embed(at::tensor(ids, at::kLong));  // [B, D]
+      for (size_t i = 0; i < decoding.size(); ++i) {
+        chunks.push_back({embeds.narrow(0, static_cast<int64_t>(i), 1),
+                          decoding[i]->cache->NextPosition(), decoding[i]->cache.get(), false});
+      }
+    }
+    at::Tensor logits = model.Forward(chunks);  // [admitted + decoding, V]
+    int64_t row_index = 0;
+    for (Sequence* seq : admitted) {
+      at::Tensor row = logits[row_index++].contiguous();
       const std::string delta =
-          seq.state->Step(row.data_ptr<float>(), static_cast<int>(row.size(0)));
-      seq.result.ttft_seconds = Seconds(seq.req->submitted, Clock::now());
-      if (!delta.empty()) seq.req->observer->OnText(delta);
+          seq->state->Step(row.data_ptr<float>(), static_cast<int>(row.size(0)));
+      seq->result.ttft_seconds = Seconds(seq->req->submitted, Clock::now());
+      if (!delta.empty()) seq->req->observer->OnText(delta);
     }
-  } catch (const c10::Error& e) {
-    for (auto& seq : *batch) {
-      seq->state->Abort(FinishReason::kError);
-      Finish(seq.get(), Internal(std::string("model failure: ") + e.what_without_backtrace()));
-    }
-  }
-}
-
-void Engine::DecodeStep() {
-  std::vector<Sequence*> active;
-  for (auto& seq : running_) {
-    if (!seq->state->done()) active.push_back(seq.get());
-  }
-  if (active.empty()) return;
-  const LlavaModel& model = *model_.model;
-  try {
-    std::vector<int64_t> ids;
-    for (Sequence* s : active) ids.push_back(s->state->last_token());
-    at::Tensor embeds = model.Embed(at::tensor(ids, at::kLong));  // [B, D]
-    std::vector<SequenceChunk> chunks;
-    for (size_t i = 0; i < active.size(); ++i) {
-      chunks.push_back({embeds.narrow(0, static_cast<int64_t>(i), 1),
-                        active[i]->cache->NextPosition(), active[i]->cache.get(), false});
-    }
-    at::Tensor logits = model.Forward(chunks);  // [B, V]
-    for (size_t i = 0; i < active.size(); ++i) {
-      at::Tensor row = logits[static_cast<int64_t>(i)].contiguous();
+    for (Sequence* seq : decoding) {
+      at::Tensor row = logits[row_index++].contiguous();
       const std::string delta =
-          active[i]->state->Step(row.data_ptr<float>(), static_cast<int>(row.size(0)));
-      if (!delta.empty()) active[i]->req->observer->OnText(delta);
+          seq->state->Step(row.data_ptr<float>(), static_cast<int>(row.size(0)));
+      if (!delta.empty()) seq->req->observer->OnText(delta);
     }
     std::lock_guard<std::mutex> lock(mu_);
-    snapshot_.last_batch_size = static_cast<int>(active.size());
+    snapshot_.last_batch_size = static_cast<int>(chunks.size());
   } catch (const c10::Error& e) {
     // The failed pass may have appended to some caches: these requests cannot continue.
-    for (Sequence* s : active) {
-      s->state->Abort(FinishReason::kError);
-      Finish(s, Internal(std::string("model failure: ") + e.what_without_backtrace()));
+    for (Sequence* seq : admitted) {
+      seq->state->Abort(FinishReason::kError);
+      Finish(seq, Internal(std::string("model failure: ") + e.what_without_backtrace()));
+    }
+    for (Sequence* seq : decoding) {
+      seq->state->Abort(FinishReason::kError);
+      Finish(seq, Internal(std::string("model failure: ") + e.what_without_backtrace()));
     }
   }
 }

@@ -109,8 +109,9 @@ class Engine final : public EngineApi {
   struct Pending;
   struct Sequence;
   void Loop();
-  void Prefill(std::vector<std::unique_ptr<Sequence>>* batch);
-  void DecodeStep();
+  // One forward pass: the prompts of the newly admitted sequences (`admitted`, may be empty)
+  // and one decode token of every running sequence, linear layers over all rows at once.
+  void Step(const std::vector<Sequence*>& admitted);
   void Finish(Sequence* seq, StatusOr<GenerationResult> result);
   void UpdateSnapshotLocked();
 

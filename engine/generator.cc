@@ -57,6 +57,12 @@ StatusOr<PreparedRequest> Generator::Prepare(const GenerationRequest& req, int64
   LLAVA_ASSIGN_OR_RETURN(
       out.prompt, BuildPrompt(*m_.tokenizer, req.messages, out.num_images, cfg.image_token_index,
                               cfg.image_tokens(), limits_.prompt));
+  const int64_t prompt_tokens = static_cast<int64_t>(out.prompt.ids.size());
+  if (limits_.max_prompt_tokens > 0 && prompt_tokens > limits_.max_prompt_tokens) {
+    return InvalidArgument("messages: the prompt has " + std::to_string(prompt_tokens) +
+                           " tokens (image rows included), more than this server's limit of " +
+                           std::to_string(limits_.max_prompt_tokens));
+  }
   const int64_t context = cfg.text.max_position_embeddings;
   if (static_cast<int64_t>(out.prompt.ids.size()) + reserve > context) {
     return InvalidArgument("the prompt (" + std::to_string(out.prompt.ids.size()) +

@@ -48,6 +48,7 @@ struct EngineLimits {
   ImageLimits image;
   PromptLimits prompt;
   int max_tokens_limit = 4096;  // upper bound for sampling.max_tokens
+  int max_prompt_tokens = 0;    // prompt length limit, image rows included (0: the context)
 };
 
 struct GenerationResult {

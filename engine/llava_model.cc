@@ -237,6 +237,53 @@ Status LlavaModel::LoadWeights(WeightSource* reader) {
   return reader->CheckAllTaken([&cfg](const std::string& name) { return Ignorable(name, cfg); });
 }
 
+std::vector<std::pair<std::string, at::Tensor*>> LlavaModel::MutableParameters() {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  auto add = [&out](const std::string& name, at::Tensor* t) {
+    if (t->defined()) out.emplace_back(name, t);
+  };
+  auto add_linear = [&add](const std::string& name, Linear* l) {
+    add(name + ".weight", &l->weight);
+    add(name + ".bias", &l->bias);
+  };
+  auto add_norm = [&add](const std::string& name, LayerNorm* n) {
+    add(name + ".weight", &n->weight);
+    add(name + ".bias", &n->bias);
+  };
+  add("vision.embeddings.patch_embedding.weight", &patch_embedding_);
+  add("vision.embeddings.class_embedding", &class_embedding_);
+  add("vision.embeddings.position_embedding.weight", &position_embedding_);
+  add_norm("vision.pre_layrnorm", &pre_layernorm_);
+  for (size_t i = 0; i < clip_layers_.size(); ++i) {
+    const std::string p = "vision.encoder.layers." + std::to_string(i);
+    ClipLayer& l = clip_layers_[i];
+    add_norm(p + ".layer_norm1", &l.ln1);
+    add_norm(p + ".layer_norm2", &l.ln2);
+    add_linear(p + ".self_attn.q_proj", &l.q);
+    add_linear(p + ".self_attn.k_proj", &l.k);
+    add_linear(p + ".self_attn.v_proj", &l.v);
+    add_linear(p + ".self_attn.out_proj", &l.out);
+    add_linear(p + ".mlp.fc1", &l.fc1);
+    add_linear(p + ".mlp.fc2", &l.fc2);
+  }
+  add_linear("projector.linear_1", &proj1_);
+  add_linear("projector.linear_2", &proj2_);
+  add("lm.embed_tokens.weight", &embed_tokens_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const std::string p = "lm.layers." + std::to_string(i);
+    LlamaLayer& l = layers_[i];
+    add(p + ".input_layernorm.weight", &l.input_norm);
+    add(p + ".post_attention_layernorm.weight", &l.post_norm);
+    add_linear(p + ".self_attn.qkv_proj", &l.qkv);
+    add_linear(p + ".self_attn.o_proj", &l.o);
+    add_linear(p + ".mlp.gate_up_proj", &l.gate_up);
+    add_linear(p + ".mlp.down_proj", &l.down);
+  }
+  add("lm.norm.weight", &final_norm_);
+  if (!lm_head_.is_same(embed_tokens_)) add("lm_head.weight", &lm_head_);
+  return out;
+}
+
 at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
   const VisionConfig& v = config_.vision;
   const int64_t b = pixel_values.size(0), dv = v.hidden_size, heads = v.num_attention_heads;

@@ -92,6 +92,12 @@ class LlavaModel {
   at::Tensor EmbedPrompt(const std::vector<int>& ids, const std::vector<int>& image_offsets,
                          const at::Tensor& image_features) const;
 
+  // Every weight the forward pass reads, under its canonical name, for the trainer
+  // (tools/train_main.cc). The decoder's stacked projections appear as
+  // "lm.layers.N.self_attn.qkv_proj.weight" ([q; k; v] rows) and "lm.layers.N.mlp.gate_up_proj
+  // .weight" ([gate; up] rows). Not for serving: weights are immutable once a model serves.
+  std::vector<std::pair<std::string, at::Tensor*>> MutableParameters();
+
   // Runs the decoder over several sequences at once: linear layers on all rows together,
   // attention per sequence against its own cache (caches are ragged). Appends each chunk's K/V
   // to its cache and calls cache->OnForwardDone(n). Returns fp32 logits, one row per chunk

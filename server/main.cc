@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   std::string dtype = "bf16", device = "cpu", policy = "elastic";
   double budget = 0.5, kv_gib = 4.0, grace_s = 30;
   int threads = 0, max_batch = 8, max_queue = 64, default_max_tokens = 256;
-  int max_tokens_limit = 2048, max_images = 4;
+  int max_tokens_limit = 2048, max_images = 4, max_messages = 64, max_prompt_tokens = 0;
   int64_t max_image_bytes = 20 << 20, max_image_pixels = 40'000'000;
   auto env = [](const char* name) { return std::string("LLAVA_") + name; };
   app.add_option("--model", model_dir, "llava-hf model folder")
@@ -64,6 +64,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-images", max_images, "images per request")
       ->envname(env("MAX_IMAGES"))
+      ->capture_default_str();
+  app.add_option("--max-messages", max_messages, "messages per request")
+      ->envname(env("MAX_MESSAGES"))
+      ->capture_default_str();
+  app.add_option("--max-prompt-tokens", max_prompt_tokens,
+                 "prompt tokens per request, image rows included (0 = the model's context)")
+      ->envname(env("MAX_PROMPT_TOKENS"))
       ->capture_default_str();
   app.add_option("--max-image-bytes", max_image_bytes)
       ->envname(env("MAX_IMAGE_BYTES"))
@@ -106,6 +113,8 @@ int main(int argc, char** argv) {
   eo.max_queue = max_queue;
   eo.limits.max_tokens_limit = max_tokens_limit;
   eo.limits.prompt.max_images = max_images;
+  eo.limits.prompt.max_messages = max_messages;
+  eo.limits.max_prompt_tokens = max_prompt_tokens;
   eo.limits.image.max_encoded_bytes = static_cast<size_t>(max_image_bytes);
   eo.limits.image.max_pixels = max_image_pixels;
   llava::Engine engine(**loaded, eo);

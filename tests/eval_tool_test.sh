@@ -15,9 +15,10 @@ full_ppl=$(awk -F, '$1=="full"{print $4}' "$csv")
 awk -F, -v ppl="$full_ppl" 'NR>1 && $2=="1.00" {
     if ($4 != ppl) { print "budget 1 PPL differs from Full: " $0; bad=1 }
     if ($5 != "1.0000") { print "budget 1 ROUGE-L is not 1: " $0; bad=1 } }
-  NR>1 && $2!="1.00" && $7 >= 1.0 { print "compressed run kept all bytes: " $0; bad=1 }
+  NR>1 && $2!="1.00" && $8 >= 1.0 { print "compressed run kept all bytes: " $0; bad=1 }
   END { exit bad }' "$csv"
 if command -v gnuplot > /dev/null; then
-  test -s "$out/ppl_vs_budget.png" && test -s "$out/rouge_vs_budget.png"
+  test -s "$out/ppl_vs_budget.png" && test -s "$out/rouge_vs_budget.png" && \
+    test -s "$out/accuracy_vs_budget.png" && test -s "$out/rouge_ref_vs_budget.png"
 fi
 echo "eval tool test passed"

@@ -165,5 +165,27 @@ TEST_F(GenerationTest, BadInputNamesTheField) {
   EXPECT_TRUE(gen.Generate(Request(2), nullptr).ok());
 }
 
+TEST_F(GenerationTest, ServerPromptLimitsApply) {
+  EngineLimits limits;
+  limits.max_prompt_tokens = 20;  // the tiny model's image alone is 16 rows
+  limits.prompt.max_messages = 1;
+  Generator gen(*loaded_, limits);
+  auto r = gen.Generate(Request(2), nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("more than this server's limit of 20"), std::string::npos)
+      << r.status().message();
+  GenerationRequest two = Request(2);
+  two.messages.push_back({"assistant", {{Kind::kText, "A circle.", 0}}});
+  two.messages.push_back({"user", {{Kind::kText, "And?", 0}}});
+  limits.max_prompt_tokens = 0;
+  Generator gen2(*loaded_, limits);
+  r = gen2.Generate(two, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("more than the limit 1"), std::string::npos)
+      << r.status().message();
+  EXPECT_TRUE(gen2.Generate(Request(2), nullptr).ok());
+}
+
 }  // namespace
 }  // namespace llava

@@ -2,9 +2,13 @@
 
 #include <sys/stat.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
+#include "engine/llava_model.h"
 #include "engine/safetensors.h"
 
 namespace llava {
@@ -134,6 +138,24 @@ Status WriteLlavaCheckpoint(const std::string& dir, const LlavaConfig& config,
   return Status::Ok();
 }
 
+Status TrainTokenizer(const std::string& corpus_path, const std::string& out_dir, int vocab_size) {
+  const std::string log = out_dir + "/.spm_train.log";
+  const std::string cmd =
+      "spm_train --input='" + corpus_path + "' --model_prefix='" + out_dir + "/tokenizer'" +
+      " --vocab_size=" + std::to_string(vocab_size) +
+      " --model_type=bpe --byte_fallback=true --normalization_rule_name=identity"
+      " --remove_extra_whitespaces=false --split_digits=true --character_coverage=1.0"
+      " --user_defined_symbols='<image>' --hard_vocab_limit=false --num_threads=1"
+      " --seed_sentencepiece_size=10000 > '" +
+      log + "' 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    return Internal("spm_train failed; see " + log);
+  }
+  std::remove((out_dir + "/tokenizer.vocab").c_str());
+  std::remove(log.c_str());
+  return Status::Ok();
+}
+
 std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaConfig& c,
                                                                    uint64_t seed,
                                                                    at::ScalarType dtype,
@@ -194,6 +216,50 @@ std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaCo
     w.emplace_back("lm_head.weight", randn({t.vocab_size, d}, matrix_std));
   }
   return w;
+}
+
+// Canonical tensors for the checkpoint: the trained ones, the stacked projections split back
+// into q/k/v and gate/up, and the initial values of tensors the forward pass never reads (the
+// last vision layer and post-layernorm, present in every llava-hf checkpoint).
+StatusOr<std::vector<std::pair<std::string, at::Tensor>>> TrainedCheckpointTensors(
+    LlavaModel& model, const std::vector<std::pair<std::string, at::Tensor>>& init,
+    at::ScalarType dtype) {
+  const TextConfig& t = model.config().text;
+  std::map<std::string, at::Tensor> trained;
+  for (auto& [name, tensor] : model.MutableParameters()) {
+    const at::Tensor w = tensor->detach();
+    const std::string suffix = name.substr(name.rfind('.'));  // ".weight" or ".bias"
+    if (name.find(".self_attn.qkv_proj.") != std::string::npos) {
+      const std::string p = name.substr(0, name.find(".self_attn.qkv_proj.")) + ".self_attn.";
+      const int64_t q = t.num_attention_heads * t.head_dim, kv = t.num_key_value_heads * t.head_dim;
+      trained[p + "q_proj" + suffix] = w.narrow(0, 0, q);
+      trained[p + "k_proj" + suffix] = w.narrow(0, q, kv);
+      trained[p + "v_proj" + suffix] = w.narrow(0, q + kv, kv);
+    } else if (name.find(".mlp.gate_up_proj.") != std::string::npos) {
+      const std::string p = name.substr(0, name.find(".mlp.gate_up_proj.")) + ".mlp.";
+      const int64_t f = t.intermediate_size;
+      trained[p + "gate_proj" + suffix] = w.narrow(0, 0, f);
+      trained[p + "up_proj" + suffix] = w.narrow(0, f, f);
+    } else {
+      trained[name] = w;
+    }
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [name, tensor] : init) {
+    auto it = trained.find(name);
+    if (it == trained.end()) {
+      out.emplace_back(name, tensor.to(dtype).contiguous());
+    } else {
+      out.emplace_back(name, it->second.to(dtype).contiguous());
+      trained.erase(it);
+    }
+  }
+  // Every trained tensor must land under a checkpoint name (a typo here once saved the
+  // initial q/k/v and gate/up weights instead of the trained ones).
+  if (!trained.empty()) {
+    return Internal("trained tensor " + trained.begin()->first + " has no checkpoint name");
+  }
+  return out;
 }
 
 }  // namespace llava

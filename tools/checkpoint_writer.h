@@ -14,6 +14,8 @@
 
 namespace llava {
 
+class LlavaModel;
+
 enum class TensorNaming { kOld, kNew };  // llava-hf naming generations (see engine/weights.h)
 
 // Canonical name ("lm.layers.0...") -> checkpoint name of the chosen generation.
@@ -29,6 +31,10 @@ Status WriteLlavaCheckpoint(const std::string& dir, const LlavaConfig& config,
                             const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                             TensorNaming naming, int shards);
 
+// Trains `out_dir`/tokenizer.model with the `spm_train` command on a text file (one sentence
+// per line): BPE, byte fallback, digits split, no normalisation, `<image>` as a user symbol.
+Status TrainTokenizer(const std::string& corpus_path, const std::string& out_dir, int vocab_size);
+
 // Random weights for `c` with fixed `seed` (matrices ~N(0, matrix_std), norms near 1),
 // canonical names, every tensor a real llava-hf checkpoint has (including the unused last
 // vision layer). Wide models need a small matrix_std (0.02) to keep activations finite in bf16.
@@ -36,5 +42,13 @@ std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaCo
                                                                    uint64_t seed,
                                                                    at::ScalarType dtype,
                                                                    double matrix_std = 0.2);
+
+// The checkpoint tensors of a model being trained (tools/train_main.cc): its current weights
+// (LlavaModel::MutableParameters), the stacked q/k/v and gate/up matrices split back into the
+// llava-hf tensors, and `init`'s values for the tensors the forward pass never reads (the last
+// vision layer, the vision post-layernorm). Canonical names in `init`'s order, as `dtype`.
+StatusOr<std::vector<std::pair<std::string, at::Tensor>>> TrainedCheckpointTensors(
+    LlavaModel& model, const std::vector<std::pair<std::string, at::Tensor>>& init,
+    at::ScalarType dtype);
 
 }  // namespace llava

@@ -4,6 +4,8 @@
 //   PPL      of the reference answer, teacher-forced through the compressed cache (prefill
 //            compressed by the policy, answer tokens fed as decode steps with eviction active);
 //   ROUGE-L  F1 of the policy's greedy answer against the Full policy's greedy answer;
+//   ref ROUGE-L  F1 against the dataset's reference answer, on samples without a short answer
+//            (detailed descriptions);
 //   accuracy exact match against the short answer, where the sample has one;
 //   KV bytes kept / full-equivalent, prefill time, decode time per token.
 // Writes a table to stdout, results.csv, results.json and (with gnuplot) two PNG plots.
@@ -100,11 +102,12 @@ llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int li
 }
 
 struct Cell {  // one policy x budget, accumulated over samples
-  double nll = 0, rouge = 0, kv_ratio = 0, prefill_s = 0, decode_s = 0;
+  double nll = 0, rouge = 0, rouge_ref = 0, kv_ratio = 0, prefill_s = 0, decode_s = 0;
   int64_t tokens = 0, decode_tokens = 0;
-  int samples = 0, with_short = 0, correct = 0;
+  int samples = 0, with_short = 0, correct = 0, long_answers = 0;
   double Ppl() const { return tokens ? std::exp(nll / tokens) : 0; }
   double Accuracy() const { return with_short ? double(correct) / with_short : NAN; }
+  double RougeRef() const { return long_answers ? rouge_ref / long_answers : NAN; }
 };
 
 void WritePlots(const std::string& out, const std::map<std::pair<std::string, double>, Cell>& cells,
@@ -119,7 +122,10 @@ void WritePlots(const std::string& out, const std::map<std::pair<std::string, do
       auto key = std::make_pair(p, p == "full" ? 1.0 : b);
       auto it = cells.find(key);
       if (it == cells.end()) continue;
-      dat << b << " " << it->second.Ppl() << " " << it->second.rouge / it->second.samples << "\n";
+      const Cell& c = it->second;
+      dat << b << " " << c.Ppl() << " " << c.rouge / c.samples << " "
+          << (std::isnan(c.Accuracy()) ? 0.0 : c.Accuracy()) << " "
+          << (std::isnan(c.RougeRef()) ? 0.0 : c.RougeRef()) << "\n";
     }
   }
   std::ofstream gp(out + "/plot.gp");
@@ -136,6 +142,8 @@ void WritePlots(const std::string& out, const std::map<std::pair<std::string, do
   };
   plot("ppl_vs_budget.png", "perplexity of the reference answer", 2);
   plot("rouge_vs_budget.png", "ROUGE-L vs the Full answer", 3);
+  plot("accuracy_vs_budget.png", "exact-match accuracy (short answers)", 4);
+  plot("rouge_ref_vs_budget.png", "ROUGE-L vs the reference (long answers)", 5);
   gp.close();
   if (std::system(("gnuplot '" + out + "/plot.gp'").c_str()) != 0) {
     std::fprintf(stderr, "gnuplot failed\n");
@@ -231,6 +239,9 @@ int main(int argc, char** argv) {
         if (!s.short_answer.empty()) {
           ++c.with_short;
           c.correct += llava::ExactMatch(answer->text, s.short_answer);
+        } else {
+          ++c.long_answers;
+          c.rouge_ref += llava::RougeL(answer->text, s.answer);
         }
       }
     }
@@ -240,33 +251,37 @@ int main(int argc, char** argv) {
 
   if (std::system(("mkdir -p '" + out + "'").c_str()) != 0) return 1;
   std::ofstream csv(out + "/results.csv");
-  csv << "policy,budget,samples,ppl,rouge_l,accuracy,kv_bytes_ratio,prefill_ms,decode_ms_per_"
-         "token\n";
+  csv << "policy,budget,samples,ppl,rouge_l,accuracy,rouge_l_ref,kv_bytes_ratio,prefill_ms,"
+         "decode_ms_per_token\n";
   nlohmann::ordered_json json = nlohmann::ordered_json::array();
-  std::printf("%-14s %6s %9s %8s %8s %9s %11s %12s\n", "policy", "budget", "ppl", "rouge_l",
-              "accuracy", "kv_ratio", "prefill_ms", "decode_ms/t");
+  std::printf("%-14s %6s %9s %8s %8s %8s %9s %11s %12s\n", "policy", "budget", "ppl", "rouge_l",
+              "accuracy", "ref_rl", "kv_ratio", "prefill_ms", "decode_ms/t");
   for (const auto& key : order) {
     const Cell& c = cells[key];
     const double rouge = c.rouge / c.samples, ratio = c.kv_ratio / c.samples;
     const double prefill_ms = 1e3 * c.prefill_s / c.samples;
     const double decode_ms = c.decode_tokens ? 1e3 * c.decode_s / c.decode_tokens : 0;
-    std::printf("%-14s %6.2f %9.3f %8.3f %8.3f %9.3f %11.1f %12.2f\n", key.first.c_str(),
-                key.second, c.Ppl(), rouge, c.Accuracy(), ratio, prefill_ms, decode_ms);
+    std::printf("%-14s %6.2f %9.3f %8.3f %8.3f %8.3f %9.3f %11.1f %12.2f\n", key.first.c_str(),
+                key.second, c.Ppl(), rouge, c.Accuracy(), c.RougeRef(), ratio, prefill_ms,
+                decode_ms);
     char line[256];
-    std::snprintf(line, sizeof(line), "%s,%.2f,%d,%.4f,%.4f,%.4f,%.4f,%.2f,%.3f\n",
-                  key.first.c_str(), key.second, c.samples, c.Ppl(), rouge, c.Accuracy(), ratio,
-                  prefill_ms, decode_ms);
+    std::snprintf(line, sizeof(line), "%s,%.2f,%d,%.4f,%.4f,%.4f,%.4f,%.4f,%.2f,%.3f\n",
+                  key.first.c_str(), key.second, c.samples, c.Ppl(), rouge, c.Accuracy(),
+                  c.RougeRef(), ratio, prefill_ms, decode_ms);
     csv << line;
-    json.push_back({{"policy", key.first},
-                    {"budget", key.second},
-                    {"samples", c.samples},
-                    {"ppl", c.Ppl()},
-                    {"rouge_l", rouge},
-                    {"accuracy", std::isnan(c.Accuracy()) ? nlohmann::ordered_json()
-                                                          : nlohmann::ordered_json(c.Accuracy())},
-                    {"kv_bytes_ratio", ratio},
-                    {"prefill_ms", prefill_ms},
-                    {"decode_ms_per_token", decode_ms}});
+    json.push_back(
+        {{"policy", key.first},
+         {"budget", key.second},
+         {"samples", c.samples},
+         {"ppl", c.Ppl()},
+         {"rouge_l", rouge},
+         {"accuracy", std::isnan(c.Accuracy()) ? nlohmann::ordered_json()
+                                               : nlohmann::ordered_json(c.Accuracy())},
+         {"rouge_l_ref", std::isnan(c.RougeRef()) ? nlohmann::ordered_json()
+                                                  : nlohmann::ordered_json(c.RougeRef())},
+         {"kv_bytes_ratio", ratio},
+         {"prefill_ms", prefill_ms},
+         {"decode_ms_per_token", decode_ms}});
   }
   std::ofstream(out + "/results.json") << json.dump(2) << "\n";
   WritePlots(out, cells, policies, budgets);

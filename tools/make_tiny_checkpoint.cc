@@ -59,21 +59,11 @@ int main(int argc, char** argv) {
   if (std::system(("mkdir -p '" + out_dir + "'").c_str()) != 0) return 1;
   const std::string corpus = out_dir + "/.corpus.txt";
   WriteCorpus(corpus, seed);
-  const std::string cmd =
-      "spm_train --input='" + corpus + "' --model_prefix='" + out_dir + "/tokenizer'" +
-      " --vocab_size=" + std::to_string(vocab) +
-      " --model_type=bpe --byte_fallback=true --normalization_rule_name=identity"
-      " --remove_extra_whitespaces=false --split_digits=true --character_coverage=1.0"
-      " --user_defined_symbols='<image>' --hard_vocab_limit=false --num_threads=1"
-      " --seed_sentencepiece_size=10000 > '" +
-      out_dir + "/.spm_train.log' 2>&1";
-  if (std::system(cmd.c_str()) != 0) {
-    std::fprintf(stderr, "spm_train failed; see %s/.spm_train.log\n", out_dir.c_str());
+  if (llava::Status st = llava::TrainTokenizer(corpus, out_dir, vocab); !st.ok()) {
+    std::fprintf(stderr, "%s\n", st.ToString().c_str());
     return 1;
   }
   std::remove(corpus.c_str());
-  std::remove((out_dir + "/tokenizer.vocab").c_str());
-  std::remove((out_dir + "/.spm_train.log").c_str());
 
   auto tok = llava::Tokenizer::Load(out_dir + "/tokenizer.model");
   if (!tok.ok()) {

@@ -1,0 +1,63 @@
+// The shipped default model (models/shapes-llava, trained by build/llava-train) loads with the
+// regular loader and answers fixed held-out questions, greedy and exact. Questions and answers
+// come from the data generator's held-out split (tests/data/default_model/questions.jsonl,
+// images beside it), not from the model. The model is far from perfect (docs/TRAINING.md has
+// its accuracy per question kind), so these eight are the first held-out item of each kind that
+// this checkpoint gets right: the test guards loading, preprocessing and inference of the
+// shipped model against regressions; it does not measure its quality.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/eval_metrics.h"
+#include "engine/generator.h"
+#include "engine/llava_model.h"
+#include "engine/runtime.h"
+#include "tests/test_util.h"
+
+namespace llava {
+namespace {
+
+using Kind = ContentPart::Kind;
+
+std::string Trimmed(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \n"), e = s.find_last_not_of(" \n");
+  return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+TEST(DefaultModel, AnswersHeldOutQuestions) {
+  InitTorchThreads(2);
+  const std::string dir = ::llava::testing::SourceDir() + "/models/shapes-llava";
+  auto loaded = LoadModel(dir, ModelOptions{});  // bf16, as served
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_GE((*loaded)->model->config().image_tokens(), 100);
+  Generator gen(**loaded, EngineLimits{});
+
+  const std::string data = ::llava::testing::SourceDir() + "/tests/data/default_model";
+  std::istringstream lines(::llava::testing::ReadFile(data + "/questions.jsonl"));
+  std::string line;
+  int questions = 0;
+  while (std::getline(lines, line)) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    GenerationRequest req;
+    req.images = {::llava::testing::ReadFile(data + "/" + j["image"].get<std::string>())};
+    req.messages = {{"user", {{Kind::kImage, "", 0}, {Kind::kText, j["prompt"], 0}}}};
+    req.sampling.max_tokens = 96;
+    req.kv_cache.policy = CachePolicy::kFull;
+    auto r = gen.Generate(req, nullptr);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    const std::string expected = j["answer"];
+    if (j["kind"] == "describe") {
+      EXPECT_GE(RougeL(r->text, expected), 0.8) << r->text << "\nvs\n" << expected;
+    } else {
+      EXPECT_EQ(Trimmed(r->text), expected) << j["prompt"];
+    }
+    ++questions;
+  }
+  EXPECT_GE(questions, 8);
+}
+
+}  // namespace
+}  // namespace llava

@@ -1,0 +1,115 @@
+// The shapes-world data generator: deterministic, and its text agrees with its pictures.
+#include "tools/shapes_world.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "engine/image_io.h"
+#include "tests/test_util.h"
+
+namespace llava::shapes {
+namespace {
+
+TEST(ShapesWorld, SameSeedSameScenesTextAndPixels) {
+  for (uint64_t seed : {1ull, 42ull, 1001ull}) {
+    Rng a(seed), b(seed);
+    const Scene sa = SampleScene(a), sb = SampleScene(b);
+    EXPECT_EQ(DescribeText(sa), DescribeText(sb));
+    EXPECT_EQ(RenderPng(sa, 96, 5), RenderPng(sb, 96, 5));
+    EXPECT_EQ(AskShortQuestion(sa, a).question, AskShortQuestion(sb, b).question);
+  }
+  Rng c(1), d(2);
+  EXPECT_NE(DescribeText(SampleScene(c)), DescribeText(SampleScene(d)));
+}
+
+TEST(ShapesWorld, RngIsSplitMix64) {
+  // First outputs of SplitMix64 for seed 0 (Vigna's reference implementation).
+  Rng r(0);
+  EXPECT_EQ(r.Next(), 0xE220A8397B1DCDAFull);
+  EXPECT_EQ(r.Next(), 0x6E789E6AA1B965F4ull);
+}
+
+TEST(ShapesWorld, MakeDataToolIsByteForByteReproducible) {
+  const std::string tool = std::string(LLAVA_BINARY_DIR) + "/llava-make-data";
+  const std::string dir = ::llava::testing::TestData() + "/make-data";
+  ASSERT_EQ(
+      std::system(("rm -rf " + dir + " && " + tool + " --images 6 --out " + dir +
+                   "/a > /dev/null && " + tool + " --images 6 --out " + dir + "/b > /dev/null && " +
+                   tool + " --images 6 --seed 7 --out " + dir + "/c > /dev/null && " + tool +
+                   " --images 6 --split train --out " + dir + "/d > /dev/null")
+                      .c_str()),
+      0);
+  EXPECT_EQ(::llava::testing::RunCommand("diff -r " + dir + "/a " + dir + "/b && echo same"),
+            "same\n");
+  const std::string a = ::llava::testing::ReadFile(dir + "/a/eval.jsonl");
+  EXPECT_FALSE(a.empty());
+  EXPECT_NE(a, ::llava::testing::ReadFile(dir + "/c/eval.jsonl"));  // other seed
+  EXPECT_NE(a, ::llava::testing::ReadFile(dir + "/d/eval.jsonl"));  // other split
+}
+
+// Every object's centre pixel has the object's colour (each of the five shapes covers its
+// centre); the description names every object with its cell; counts add up.
+TEST(ShapesWorld, TextMatchesThePicture) {
+  const uint8_t kRgb[kNumColours][3] = {{220, 40, 40},   {245, 145, 30}, {235, 210, 30},
+                                        {40, 160, 70},   {40, 90, 220},  {135, 65, 185},
+                                        {240, 120, 185}, {25, 25, 25}};
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    Rng rng(seed);
+    const Scene s = SampleScene(rng);
+    ASSERT_GE(s.objects.size(), 1u);
+    ASSERT_LE(s.objects.size(), 6u);
+    const std::vector<uint8_t> px = RenderScene(s, 96, seed);
+    std::set<int> cells;
+    const std::string text = DescribeText(s);
+    for (const Object& o : s.objects) {
+      EXPECT_TRUE(cells.insert(o.cell).second) << "two objects in one cell";
+      const int x = 16 + 32 * (o.cell % 3) + o.dx, y = 16 + 32 * (o.cell / 3) + o.dy;
+      // A later, larger neighbour may cover the centre: only check when none is near.
+      bool covered = false;
+      for (const Object& p : s.objects) {
+        covered |= &p != &o && p.cell > o.cell && p.size == 2 &&
+                   std::abs((p.cell % 3) - (o.cell % 3)) + std::abs(p.cell / 3 - o.cell / 3) == 1;
+      }
+      if (!covered) {
+        for (int c = 0; c < 3; ++c) {
+          EXPECT_NEAR(px[(y * 96 + x) * 3 + c], kRgb[o.colour][c], 2)
+              << "seed " << seed << " " << kShapeNames[o.shape];
+        }
+      }
+      const std::string phrase = std::string(kSizeNames[o.size]) + " " + kColourNames[o.colour] +
+                                 " " + kShapeNames[o.shape] + " " + kCellPhrases[o.cell];
+      EXPECT_NE(text.find(phrase), std::string::npos) << text;
+    }
+    EXPECT_EQ(text.find("There are " + std::to_string(s.objects.size()) + " objects") == 0 ||
+                  (s.objects.size() == 1 && text.find("There is 1 object") == 0),
+              true)
+        << text;
+  }
+}
+
+TEST(ShapesWorld, ShortAnswersAgreeWithTheScene) {
+  int yes = 0, no = 0;
+  std::set<std::string> kinds;
+  for (uint64_t seed = 0; seed < 300; ++seed) {
+    Rng rng(seed);
+    const Scene s = SampleScene(rng);
+    const QA qa = AskShortQuestion(s, rng);
+    kinds.insert(qa.kind);
+    if (qa.question == "How many objects are there?") {
+      EXPECT_EQ(qa.answer, std::to_string(s.objects.size()));
+    }
+    if (qa.kind == "exists") (qa.answer == "yes" ? yes : no)++;
+    if (qa.kind == "position" && qa.answer == "nothing") {
+      for (const Object& o : s.objects) {
+        EXPECT_NE(qa.question, "What is " + std::string(kCellPhrases[o.cell]) + "?");
+      }
+    }
+  }
+  EXPECT_EQ(kinds.size(), 7u);  // colour, shape, count, position, exists, larger, where
+  EXPECT_GT(yes, 5);
+  EXPECT_GT(no, 5);
+}
+
+}  // namespace
+}  // namespace llava::shapes

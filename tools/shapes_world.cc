@@ -1,0 +1,315 @@
+#include "tools/shapes_world.h"
+
+#include <algorithm>
+#include <cmath>
+#include <opencv2/core.hpp>
+#include <opencv2/imgcodecs.hpp>
+#include <opencv2/imgproc.hpp>
+#include <set>
+
+namespace llava::shapes {
+
+uint64_t Rng::Next() {
+  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+int Rng::Uniform(int n) { return static_cast<int>(Next() % static_cast<uint64_t>(n)); }
+double Rng::Real() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
+
+const char* const kShapeNames[kNumShapes] = {"circle", "square", "triangle", "diamond", "star"};
+const char* const kShapePlurals[kNumShapes] = {"circles", "squares", "triangles", "diamonds",
+                                               "stars"};
+const char* const kColourNames[kNumColours] = {"red",  "orange", "yellow", "green",
+                                               "blue", "purple", "pink",   "black"};
+const char* const kSizeNames[kNumSizes] = {"small", "medium", "large"};
+const char* const kCellNames[kNumCells] = {"top left",    "top",    "top right",
+                                           "left",        "center", "right",
+                                           "bottom left", "bottom", "bottom right"};
+const char* const kCellPhrases[kNumCells] = {
+    "at the top left",    "at the top",    "at the top right",
+    "on the left",        "in the center", "on the right",
+    "at the bottom left", "at the bottom", "at the bottom right"};
+const char* const kBackgroundNames[3] = {"white", "gray", "beige"};
+
+namespace {
+
+const uint8_t kColourRgb[kNumColours][3] = {{220, 40, 40},   {245, 145, 30}, {235, 210, 30},
+                                            {40, 160, 70},   {40, 90, 220},  {135, 65, 185},
+                                            {240, 120, 185}, {25, 25, 25}};
+const uint8_t kBackgroundRgb[3][3] = {{250, 250, 250}, {200, 200, 200}, {238, 226, 196}};
+const double kRadius[kNumSizes] = {6, 10, 15};  // at 96 px
+const int kJitter[kNumSizes] = {5, 4, 3};
+
+std::string Article(const std::string& word) {
+  return (word[0] == 'a' || word[0] == 'e' || word[0] == 'i' || word[0] == 'o' || word[0] == 'u')
+             ? "an "
+             : "a ";
+}
+
+std::string ObjectPhrase(const Object& o) {  // "a small red circle"
+  return "a " + std::string(kSizeNames[o.size]) + " " + kColourNames[o.colour] + " " +
+         kShapeNames[o.shape];
+}
+
+int CountIf(const Scene& s, int shape, int colour) {
+  int n = 0;
+  for (const Object& o : s.objects) {
+    n += (shape < 0 || o.shape == shape) && (colour < 0 || o.colour == colour);
+  }
+  return n;
+}
+
+// Objects that a "<colour> <shape>" phrase identifies uniquely.
+std::vector<const Object*> UniquelyNamed(const Scene& s) {
+  std::vector<const Object*> out;
+  for (const Object& o : s.objects) {
+    if (CountIf(s, o.shape, o.colour) == 1) out.push_back(&o);
+  }
+  return out;
+}
+
+std::vector<cv::Point2d> Polygon(int shape, double r, double angle_deg) {
+  std::vector<cv::Point2d> p;
+  const double a0 = angle_deg * M_PI / 180.0;
+  auto ring = [&](int n, double start, const std::vector<double>& radii) {
+    for (int i = 0; i < n; ++i) {
+      const double a = a0 + start + 2 * M_PI * i / n;
+      const double rr = radii[i % radii.size()];
+      p.emplace_back(rr * std::cos(a), rr * std::sin(a));
+    }
+  };
+  switch (shape) {
+    case 1:
+      ring(4, M_PI / 4, {r * 1.1});
+      break;  // square
+    case 2:
+      ring(3, -M_PI / 2, {r * 1.15});
+      break;  // triangle
+    case 3:
+      p = {{0, -r * 1.15}, {r * 0.75, 0}, {0, r * 1.15}, {-r * 0.75, 0}};
+      break;  // diamond
+    case 4:
+      ring(10, -M_PI / 2, {r * 1.2, r * 0.5});
+      break;  // star
+    default:
+      break;
+  }
+  return p;
+}
+
+}  // namespace
+
+Scene SampleScene(Rng& rng) {
+  Scene s;
+  s.background = rng.Uniform(3);
+  s.textured = rng.Chance(0.5);
+  const int n = 1 + rng.Uniform(6);
+  std::vector<int> cells(kNumCells);
+  for (int i = 0; i < kNumCells; ++i) cells[i] = i;
+  for (int i = kNumCells - 1; i > 0; --i) std::swap(cells[i], cells[rng.Uniform(i + 1)]);
+  for (int i = 0; i < n; ++i) {
+    Object o;
+    o.shape = rng.Uniform(kNumShapes);
+    o.colour = rng.Uniform(kNumColours);
+    o.size = rng.Uniform(kNumSizes);
+    o.cell = cells[i];
+    const int j = kJitter[o.size];
+    o.dx = rng.Uniform(2 * j + 1) - j;
+    o.dy = rng.Uniform(2 * j + 1) - j;
+    o.angle = rng.Uniform(41) - 20;
+    s.objects.push_back(o);
+  }
+  std::sort(s.objects.begin(), s.objects.end(),
+            [](const Object& a, const Object& b) { return a.cell < b.cell; });
+  return s;
+}
+
+std::vector<uint8_t> RenderScene(const Scene& scene, int size, uint64_t texture_seed) {
+  const double k = size / 96.0;
+  const uint8_t* bg = kBackgroundRgb[scene.background];
+  cv::Mat img(size, size, CV_8UC3, cv::Scalar(bg[0], bg[1], bg[2]));
+  if (scene.textured) {
+    Rng rng(texture_seed);
+    const int period = 6 + rng.Uniform(6);
+    for (int y = 0; y < size; ++y) {
+      uint8_t* row = img.ptr<uint8_t>(y);
+      for (int x = 0; x < size; ++x) {
+        const int stripe = ((x + y) / period) % 2 == 0 ? -10 : 0;
+        const int noise = rng.Uniform(13) - 6;
+        for (int c = 0; c < 3; ++c) {
+          row[3 * x + c] =
+              static_cast<uint8_t>(std::clamp(row[3 * x + c] + stripe + noise, 0, 255));
+        }
+      }
+    }
+  }
+  constexpr int kShift = 4;  // sub-pixel bits for OpenCV's drawing
+  for (const Object& o : scene.objects) {
+    const double cx = k * (16 + 32 * (o.cell % 3) + o.dx), cy = k * (16 + 32 * (o.cell / 3) + o.dy);
+    const double r = k * kRadius[o.size];
+    const uint8_t* c = kColourRgb[o.colour];
+    const cv::Scalar colour(c[0], c[1], c[2]);
+    if (o.shape == 0) {
+      cv::circle(img, cv::Point(std::lround(cx * 16), std::lround(cy * 16)),
+                 static_cast<int>(std::lround(r * 16)), colour, cv::FILLED, cv::LINE_AA, kShift);
+      continue;
+    }
+    std::vector<cv::Point> pts;
+    for (const auto& p : Polygon(o.shape, r, o.shape == 3 ? 0 : o.angle)) {
+      pts.emplace_back(std::lround((cx + p.x) * 16), std::lround((cy + p.y) * 16));
+    }
+    cv::fillPoly(img, std::vector<std::vector<cv::Point>>{pts}, colour, cv::LINE_AA, kShift);
+  }
+  return std::vector<uint8_t>(img.data, img.data + img.total() * 3);
+}
+
+std::string RenderPng(const Scene& scene, int size, uint64_t texture_seed) {
+  std::vector<uint8_t> rgb = RenderScene(scene, size, texture_seed);
+  cv::Mat img(size, size, CV_8UC3, rgb.data()), bgr;
+  cv::cvtColor(img, bgr, cv::COLOR_RGB2BGR);
+  std::vector<uint8_t> png;
+  cv::imencode(".png", bgr, png, {cv::IMWRITE_PNG_COMPRESSION, 9});
+  return std::string(png.begin(), png.end());
+}
+
+QA AskShortQuestion(const Scene& s, Rng& rng) {
+  for (;;) {
+    const int kind = rng.Uniform(8);
+    switch (kind) {
+      case 0: {  // colour of a shape present exactly once
+        std::vector<int> shapes;
+        for (int sh = 0; sh < kNumShapes; ++sh) {
+          if (CountIf(s, sh, -1) == 1) shapes.push_back(sh);
+        }
+        if (shapes.empty()) break;
+        const int sh = shapes[rng.Uniform(static_cast<int>(shapes.size()))];
+        for (const Object& o : s.objects) {
+          if (o.shape == sh) {
+            return {"colour", std::string("What color is the ") + kShapeNames[sh] + "?",
+                    kColourNames[o.colour]};
+          }
+        }
+        break;
+      }
+      case 1: {  // shape of a colour present exactly once
+        std::vector<int> colours;
+        for (int c = 0; c < kNumColours; ++c) {
+          if (CountIf(s, -1, c) == 1) colours.push_back(c);
+        }
+        if (colours.empty()) break;
+        const int c = colours[rng.Uniform(static_cast<int>(colours.size()))];
+        for (const Object& o : s.objects) {
+          if (o.colour == c) {
+            return {"shape", std::string("What shape is the ") + kColourNames[c] + " object?",
+                    kShapeNames[o.shape]};
+          }
+        }
+        break;
+      }
+      case 2:
+      case 3: {  // counts
+        const int variant = rng.Uniform(3);
+        if (variant == 0) {
+          return {"count", "How many objects are there?", std::to_string(s.objects.size())};
+        }
+        if (variant == 1) {
+          const int sh = rng.Chance(0.7) ? s.objects[rng.Uniform(int(s.objects.size()))].shape
+                                         : rng.Uniform(kNumShapes);
+          return {"count", std::string("How many ") + kShapePlurals[sh] + " are there?",
+                  std::to_string(CountIf(s, sh, -1))};
+        }
+        const int c = rng.Chance(0.7) ? s.objects[rng.Uniform(int(s.objects.size()))].colour
+                                      : rng.Uniform(kNumColours);
+        return {"count", std::string("How many ") + kColourNames[c] + " objects are there?",
+                std::to_string(CountIf(s, -1, c))};
+      }
+      case 4: {  // what is at a position
+        const int cell = rng.Chance(0.75) ? s.objects[rng.Uniform(int(s.objects.size()))].cell
+                                          : rng.Uniform(kNumCells);
+        std::string answer = "nothing";
+        for (const Object& o : s.objects) {
+          if (o.cell == cell) answer = ObjectPhrase(o);
+        }
+        std::string phrase = kCellPhrases[cell];
+        return {"position", "What is " + phrase + "?", answer};
+      }
+      case 5: {  // existence, balanced
+        int sh, c;
+        if (rng.Chance(0.5)) {
+          const Object& o = s.objects[rng.Uniform(int(s.objects.size()))];
+          sh = o.shape;
+          c = o.colour;
+        } else {
+          do {
+            sh = rng.Uniform(kNumShapes);
+            c = rng.Uniform(kNumColours);
+          } while (CountIf(s, sh, c) > 0);
+        }
+        const std::string colour = kColourNames[c];
+        return {"exists", "Is there " + Article(colour) + colour + " " + kShapeNames[sh] + "?",
+                CountIf(s, sh, c) > 0 ? "yes" : "no"};
+      }
+      case 6: {  // which is larger
+        std::vector<const Object*> named = UniquelyNamed(s);
+        std::vector<std::pair<const Object*, const Object*>> pairs;
+        for (const Object* a : named) {
+          for (const Object* b : named) {
+            if (a != b && a->size != b->size) pairs.emplace_back(a, b);
+          }
+        }
+        if (pairs.empty()) break;
+        const auto [a, b] = pairs[rng.Uniform(static_cast<int>(pairs.size()))];
+        auto name = [](const Object* o) {
+          return std::string("the ") + kColourNames[o->colour] + " " + kShapeNames[o->shape];
+        };
+        return {"larger", "Which is larger, " + name(a) + " or " + name(b) + "?",
+                name(a->size > b->size ? a : b)};
+      }
+      case 7: {  // where is an object
+        std::vector<const Object*> named = UniquelyNamed(s);
+        if (named.empty()) break;
+        const Object* o = named[rng.Uniform(static_cast<int>(named.size()))];
+        return {"where",
+                std::string("Where is the ") + kColourNames[o->colour] + " " +
+                    kShapeNames[o->shape] + "?",
+                kCellNames[o->cell]};
+      }
+    }
+  }
+}
+
+std::string DescribeText(const Scene& s) {
+  const size_t n = s.objects.size();
+  std::string text =
+      n == 1 ? "There is 1 object on a " : "There are " + std::to_string(n) + " objects on a ";
+  text += std::string(s.textured ? "textured " : "plain ") + kBackgroundNames[s.background] +
+          " background: ";
+  for (size_t i = 0; i < n; ++i) {
+    if (i > 0) text += i + 1 == n ? " and " : ", ";
+    text += ObjectPhrase(s.objects[i]) + " " + kCellPhrases[s.objects[i].cell];
+  }
+  return text + ".";
+}
+
+QA Describe(const Scene& s) {
+  return {"describe", "Describe the image in detail.", DescribeText(s)};
+}
+
+std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe) {
+  const int n = 3 + rng.Uniform(6);
+  std::vector<QA> turns;
+  std::set<std::string> asked;
+  for (int tries = 0; static_cast<int>(turns.size()) < n && tries < 4 * n; ++tries) {
+    QA qa = AskShortQuestion(scene, rng);
+    if (asked.insert(qa.question).second) turns.push_back(std::move(qa));
+  }
+  if (rng.Chance(p_describe)) {
+    const int at = rng.Uniform(static_cast<int>(turns.size()) + 1);
+    turns.insert(turns.begin() + at, Describe(scene));
+  }
+  return turns;
+}
+
+}  // namespace llava::shapes

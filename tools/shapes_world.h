@@ -1,0 +1,74 @@
+// The synthetic "shapes" world the default model is trained and evaluated on. Torch-free.
+//
+// A scene is 1-6 objects on a 3 x 3 grid (one per cell; large ones may overlap a neighbour),
+// each with a shape (5 kinds), a colour (8) and a size (3), on a plain or lightly textured
+// background. Scenes render to RGB images with OpenCV and come with LLaVA-style text: short
+// questions with one-phrase answers and a detailed description. Everything is a pure function
+// of the seed (our own SplitMix64 generator, no std:: distributions whose output differs
+// between standard libraries), so the same seed gives the same bytes everywhere.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace llava::shapes {
+
+// SplitMix64: tiny, fast, and fully specified.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t Next();
+  int Uniform(int n);  // [0, n)
+  double Real();       // [0, 1)
+  bool Chance(double p) { return Real() < p; }
+
+ private:
+  uint64_t state_;
+};
+
+inline constexpr int kNumShapes = 5, kNumColours = 8, kNumSizes = 3, kNumCells = 9;
+extern const char* const kShapeNames[kNumShapes];    // "circle", ...
+extern const char* const kShapePlurals[kNumShapes];  // "circles", ...
+extern const char* const kColourNames[kNumColours];  // "red", ...
+extern const char* const kSizeNames[kNumSizes];      // "small", "medium", "large"
+extern const char* const kCellNames[kNumCells];      // "top left", ..., "bottom right"
+extern const char* const kCellPhrases[kNumCells];    // "at the top left", "in the center", ..
+
+struct Object {
+  int shape = 0, colour = 0, size = 0, cell = 0;
+  int dx = 0, dy = 0;  // jitter of the centre inside the cell, pixels at 96 px
+  int angle = 0;       // rotation in degrees (squares, triangles, stars)
+};
+
+struct Scene {
+  int background = 0;  // 0 white, 1 gray, 2 beige
+  bool textured = false;
+  std::vector<Object> objects;  // sorted by cell (row-major)
+};
+extern const char* const kBackgroundNames[3];
+
+Scene SampleScene(Rng& rng);
+
+// RGB pixels [size, size, 3]; geometry scales with `size` (designed at 96).
+std::vector<uint8_t> RenderScene(const Scene& scene, int size, uint64_t texture_seed);
+// PNG bytes of RenderScene.
+std::string RenderPng(const Scene& scene, int size, uint64_t texture_seed);
+
+struct QA {
+  std::string kind;      // colour, shape, count, position, exists, larger, where, describe
+  std::string question;  // e.g. "What color is the circle?"
+  std::string answer;    // e.g. "red"; the full description for kind "describe"
+};
+
+// One question of a random applicable kind (never "describe").
+QA AskShortQuestion(const Scene& scene, Rng& rng);
+// "Describe the image in detail." and the description (every object, row-major).
+QA Describe(const Scene& scene);
+std::string DescribeText(const Scene& scene);
+
+// A training conversation: 3-8 short questions, a description with probability `p_describe`
+// at a random turn; questions are not repeated.
+std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe);
+
+}  // namespace llava::shapes
