@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> images;
   int concurrency = 8, requests = 32, max_tokens = 64;
   double budget = -1, temperature = 0;
+  bool ignore_eos = false;
   app.add_option("--server", server)->capture_default_str();
   app.add_option("--concurrency", concurrency, "parallel streams")->capture_default_str();
   app.add_option("--requests", requests, "requests in all")->capture_default_str();
@@ -43,6 +44,8 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", temperature)->capture_default_str();
   app.add_option("--policy", policy, "full | elastic | h2o | streaming_llm (default: server's)");
   app.add_option("--budget", budget, "KV budget ratio (default: server's)");
+  app.add_flag("--ignore-eos", ignore_eos,
+               "generate exactly --max-tokens per request (equal work for every policy)");
   CLI11_PARSE(app, argc, argv);
 
   llava::v1::ChatRequest base;
@@ -61,6 +64,7 @@ int main(int argc, char** argv) {
   m->add_content()->set_text(prompt);
   base.mutable_sampling()->set_max_tokens(max_tokens);
   base.mutable_sampling()->set_temperature(static_cast<float>(temperature));
+  if (ignore_eos) base.mutable_sampling()->set_ignore_eos(true);
   if (!policy.empty()) {
     llava::v1::CachePolicy p;
     std::string name = "CACHE_POLICY_" + policy;

@@ -1,5 +1,7 @@
 #include "engine/decode_state.h"
 
+#include <limits>
+
 namespace llava {
 
 const char* FinishReasonName(FinishReason r) {
@@ -28,6 +30,11 @@ DecodeState::DecodeState(const Tokenizer& tokenizer, const SamplingParams& param
 
 std::string DecodeState::Step(float* logits, int vocab) {
   if (done_) return "";
+  if (params_.ignore_eos) {
+    for (int eos : {tokenizer_.eos_id(), extra_eos_}) {
+      if (eos >= 0 && eos < vocab) logits[eos] = -std::numeric_limits<float>::infinity();
+    }
+  }
   const int id = sampler_.Sample(logits, vocab, history_);
   if (id == tokenizer_.eos_id() || id == extra_eos_) {
     done_ = true;

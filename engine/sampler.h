@@ -18,6 +18,7 @@ struct SamplingParams {
   uint64_t seed = 0;               // RNG seed; same seed + same input = same output
   std::vector<std::string> stop;   // generation ends before any of these strings
   float repetition_penalty = 1.f;  // > 0; 1 = off (HF/CTRL rule: divide positive logits)
+  bool ignore_eos = false;         // benchmarks: EOS is masked out, so exactly max_tokens come out
 };
 
 // Checks every field; the error names it ("sampling.top_p must be in (0, 1], got 2").

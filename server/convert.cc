@@ -79,6 +79,7 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
   if (s.has_top_k()) sp.top_k = s.top_k();
   if (s.has_seed()) sp.seed = s.seed();
   if (s.has_repetition_penalty()) sp.repetition_penalty = s.repetition_penalty();
+  if (s.has_ignore_eos()) sp.ignore_eos = s.ignore_eos();
   sp.stop.assign(s.stop().begin(), s.stop().end());
 
   const v1::KvCacheConfig& kv = request.kv_cache();

@@ -59,5 +59,30 @@ TEST(DefaultModel, AnswersHeldOutQuestions) {
   EXPECT_GE(questions, 8);
 }
 
+// sampling.ignore_eos (for benchmarks): the same short question that ends after a few tokens
+// runs to exactly max_tokens, with no EOS among them.
+TEST(DefaultModel, IgnoreEosGeneratesExactlyMaxTokens) {
+  InitTorchThreads(2);
+  auto loaded = LoadModel(::llava::testing::SourceDir() + "/models/shapes-llava", ModelOptions{});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  Generator gen(**loaded, EngineLimits{});
+  GenerationRequest req;
+  req.images = {::llava::testing::ReadFile(::llava::testing::SourceDir() +
+                                           "/tests/data/default_model/00003.png")};
+  req.messages = {
+      {"user", {{Kind::kImage, "", 0}, {Kind::kText, "How many objects are there?", 0}}}};
+  req.sampling.max_tokens = 30;
+  auto natural = gen.Generate(req, nullptr);
+  ASSERT_TRUE(natural.ok()) << natural.status().ToString();
+  ASSERT_EQ(natural->finish, FinishReason::kStop);
+  ASSERT_LT(natural->completion_tokens, 30);
+  req.sampling.ignore_eos = true;
+  auto forced = gen.Generate(req, nullptr);
+  ASSERT_TRUE(forced.ok()) << forced.status().ToString();
+  EXPECT_EQ(forced->completion_tokens, 30);
+  EXPECT_EQ(forced->finish, FinishReason::kLength);
+  for (int id : forced->tokens) EXPECT_NE(id, (*loaded)->tokenizer->eos_id());
+}
+
 }  // namespace
 }  // namespace llava
