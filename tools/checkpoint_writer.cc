@@ -138,7 +138,8 @@ Status WriteLlavaCheckpoint(const std::string& dir, const LlavaConfig& config,
   return Status::Ok();
 }
 
-Status TrainTokenizer(const std::string& corpus_path, const std::string& out_dir, int vocab_size) {
+StatusOr<std::unique_ptr<Tokenizer>> TrainTokenizer(const std::string& corpus_path,
+                                                    const std::string& out_dir, int vocab_size) {
   const std::string log = out_dir + "/.spm_train.log";
   const std::string cmd =
       "spm_train --input='" + corpus_path + "' --model_prefix='" + out_dir + "/tokenizer'" +
@@ -153,7 +154,8 @@ Status TrainTokenizer(const std::string& corpus_path, const std::string& out_dir
   }
   std::remove((out_dir + "/tokenizer.vocab").c_str());
   std::remove(log.c_str());
-  return Status::Ok();
+  std::remove(corpus_path.c_str());
+  return Tokenizer::Load(out_dir + "/tokenizer.model");
 }
 
 std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaConfig& c,

@@ -5,12 +5,14 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "engine/model_config.h"
 #include "engine/status.h"
+#include "engine/tokenizer.h"
 
 namespace llava {
 
@@ -32,8 +34,10 @@ Status WriteLlavaCheckpoint(const std::string& dir, const LlavaConfig& config,
                             TensorNaming naming, int shards);
 
 // Trains `out_dir`/tokenizer.model with the `spm_train` command on a text file (one sentence
-// per line): BPE, byte fallback, digits split, no normalisation, `<image>` as a user symbol.
-Status TrainTokenizer(const std::string& corpus_path, const std::string& out_dir, int vocab_size);
+// per line; deleted afterwards): BPE, byte fallback, digits split, no normalisation, `<image>`
+// as a user symbol. Returns the trained tokenizer, loaded.
+StatusOr<std::unique_ptr<Tokenizer>> TrainTokenizer(const std::string& corpus_path,
+                                                    const std::string& out_dir, int vocab_size);
 
 // Random weights for `c` with fixed `seed` (matrices ~N(0, matrix_std), norms near 1),
 // canonical names, every tensor a real llava-hf checkpoint has (including the unused last

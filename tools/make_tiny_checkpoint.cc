@@ -59,13 +59,7 @@ int main(int argc, char** argv) {
   if (std::system(("mkdir -p '" + out_dir + "'").c_str()) != 0) return 1;
   const std::string corpus = out_dir + "/.corpus.txt";
   WriteCorpus(corpus, seed);
-  if (llava::Status st = llava::TrainTokenizer(corpus, out_dir, vocab); !st.ok()) {
-    std::fprintf(stderr, "%s\n", st.ToString().c_str());
-    return 1;
-  }
-  std::remove(corpus.c_str());
-
-  auto tok = llava::Tokenizer::Load(out_dir + "/tokenizer.model");
+  auto tok = llava::TrainTokenizer(corpus, out_dir, vocab);
   if (!tok.ok()) {
     std::fprintf(stderr, "%s\n", tok.status().ToString().c_str());
     return 1;
