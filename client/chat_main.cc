@@ -130,7 +130,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> images;
   std::string question;
   app.add_option("--server", o.server, "host:port")->capture_default_str();
-  app.add_option("--image", images, "image file (repeatable); attached to the first turn");
+  // One file per --image (repeatable): a vector option would otherwise swallow the question.
+  app.add_option("--image", images, "image file (repeatable); attached to the first turn")
+      ->allow_extra_args(false);
   app.add_option("question", question, "ask once and exit; omit for interactive mode");
   app.add_option("--system", o.system, "system prompt");
   app.add_option("--max-tokens", o.max_tokens, "default: the server's");

@@ -105,6 +105,20 @@ TEST_F(ServerTest, HealthIsServing) {
   EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
+// The README's one-shot call: `--image FILE` (repeatable) followed by the question. The image
+// option once swallowed the question as a second file name and fell into interactive mode.
+TEST_F(ServerTest, ChatClientAnswersOneQuestionWithTwoImages) {
+  const std::string image = ::llava::testing::SourceDir() + "/models/examples/shapes.png";
+  const std::string out = ::llava::testing::RunCommand(
+      std::string(LLAVA_CHAT_BINARY) + " --server " + server_->address() +
+      " --max-tokens 4 --image " + image + " --image " + image +
+      " 'What is in the image?' < /dev/null 2>&1");
+  const int rows = 2 * loaded_->model->config().image_tokens();
+  EXPECT_NE(out.find("(" + std::to_string(rows) + " image)"), std::string::npos) << out;
+  EXPECT_NE(out.find("[FINISH_REASON_"), std::string::npos) << out;
+  EXPECT_EQ(out.find("/quit"), std::string::npos) << "interactive mode: " << out;
+}
+
 TEST_F(ServerTest, ModelInfo) {
   grpc::ClientContext ctx;
   v1::ModelInfo info;
