@@ -17,6 +17,9 @@ RUN apt-get update -qq \
 COPY --from=build /src/build/llava-server /src/build/llava-chat /src/build/llava-generate /usr/local/bin/
 COPY models/shapes-llava /opt/llava/models/default
 COPY models/examples /opt/llava/examples
+# Unprivileged; deploy/kubernetes runs it as this UID with a read-only root filesystem.
+RUN useradd --system --uid 65532 --no-create-home llava
+USER 65532
 EXPOSE 50051 9090
 ENTRYPOINT ["llava-server"]
 CMD ["--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9090"]

@@ -17,7 +17,8 @@ PACKAGES=(
   sentencepiece                       # spm_train / spm_encode, run as separate processes only
   clang-format
   gnuplot-nox                         # llava-eval's plots
-  prometheus                          # promtool: checks the /metrics exposition in tests
+  prometheus                          # promtool: checks the /metrics exposition and deploy/ in tests
+  python3-yaml                        # tests/deploy_test.py reads the Kubernetes manifests
 )
 
 missing=()

@@ -41,9 +41,14 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-listen", metrics_listen, "HTTP address of /metrics and /healthz")
       ->envname(env("METRICS_LISTEN"))
       ->capture_default_str();
-  app.add_option("--kv-cache-gib", kv_gib, "KV byte budget for admission, GiB")
-      ->envname(env("KV_CACHE_GIB"))
-      ->capture_default_str();
+  int64_t kv_bytes = 0;
+  auto* gib_opt = app.add_option("--kv-cache-gib", kv_gib, "KV byte budget for admission, GiB")
+                      ->envname(env("KV_CACHE_GIB"))
+                      ->capture_default_str();
+  app.add_option("--kv-cache-bytes", kv_bytes, "KV byte budget for admission in bytes")
+      ->envname(env("KV_CACHE_BYTES"))
+      ->check(CLI::PositiveNumber)
+      ->excludes(gib_opt);
   app.add_option("--max-batch", max_batch, "running requests at most")
       ->envname(env("MAX_BATCH"))
       ->capture_default_str();
@@ -108,7 +113,7 @@ int main(int argc, char** argv) {
   }
 
   llava::EngineOptions eo;
-  eo.kv_cache_bytes = static_cast<int64_t>(kv_gib * (1 << 30));
+  eo.kv_cache_bytes = kv_bytes > 0 ? kv_bytes : static_cast<int64_t>(kv_gib * (1 << 30));
   eo.max_batch = max_batch;
   eo.max_queue = max_queue;
   eo.limits.max_tokens_limit = max_tokens_limit;

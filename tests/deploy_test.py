@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Checks deploy/ against the code it deploys: the Prometheus config and rules pass promtool,
+every metric the alerts and the Grafana dashboard query is one llava-server exports, every
+setting of the Kubernetes ConfigMap is a llava-server flag, and the manifests agree with each
+other (ports, labels, grace period).
+
+usage: deploy_test.py SOURCE_DIR LLAVA_SERVER_BINARY
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import yaml
+
+SRC, SERVER = sys.argv[1], sys.argv[2]
+DEPLOY = os.path.join(SRC, "deploy")
+failures = []
+
+
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+
+
+def read(*parts):
+    with open(os.path.join(SRC, *parts)) as f:
+        return f.read()
+
+
+# --- metrics the server registers (server/metrics.cc) --------------------------------------
+exported = set(re.findall(r'"(llava_[a-z0-9_]+)"', read("server", "metrics.cc")))
+check(len(exported) >= 15, f"found only {len(exported)} metric names in server/metrics.cc")
+GRPC_CODES = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+              "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+              "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+              "UNAUTHENTICATED"}
+
+
+def check_queries(text, where):
+    names = {re.sub(r"_(bucket|sum|count)$", "", m) if m not in exported else m
+             for m in re.findall(r"\bllava_[a-z0-9_]+", text)}
+    check(names, f"{where}: queries no llava_ metric")
+    for n in sorted(names - exported):
+        failures.append(f"{where}: queries {n}, which llava-server does not export")
+    for codes in re.findall(r'code=~?"([^"]+)"', text):
+        for c in codes.split("|"):
+            check(c in GRPC_CODES, f"{where}: code {c!r} is not a gRPC status code name")
+
+
+# --- Prometheus -------------------------------------------------------------------------------
+r = subprocess.run(["promtool", "check", "config", os.path.join(DEPLOY, "prometheus", "prometheus.yml")],
+                   capture_output=True, text=True)
+check(r.returncode == 0, "promtool check config failed:\n" + r.stdout + r.stderr)
+check_queries(read("deploy", "prometheus", "alerts.yml"), "alerts.yml")
+rules = yaml.safe_load(read("deploy", "prometheus", "alerts.yml"))
+for g in rules["groups"]:
+    for rule in g["rules"]:
+        check("summary" in rule.get("annotations", {}), f"alert {rule.get('alert')} has no summary")
+
+# --- Grafana ----------------------------------------------------------------------------------
+dash = json.loads(read("deploy", "grafana", "llava-dashboard.json"))
+ids = [p["id"] for p in dash["panels"]]
+check(len(ids) == len(set(ids)), "dashboard: duplicate panel ids")
+exprs = []
+for p in dash["panels"]:
+    if p["type"] == "row":
+        continue
+    targets = [t.get("expr", "") for t in p.get("targets", [])]
+    check(targets and all(targets), f"dashboard panel {p['title']!r} has an empty query")
+    exprs += targets
+check_queries("\n".join(exprs), "llava-dashboard.json")
+check(any("llava_kv_cache_budget_bytes" in e for e in exprs), "dashboard does not show the KV budget")
+
+# --- Kubernetes -------------------------------------------------------------------------------
+K8S = os.path.join(DEPLOY, "kubernetes")
+docs = {}
+for name in sorted(os.listdir(K8S)):
+    if not name.endswith(".yaml"):
+        continue
+    with open(os.path.join(K8S, name)) as f:
+        for d in yaml.safe_load_all(f):
+            check(d and "apiVersion" in d and "kind" in d, f"{name}: document without apiVersion/kind")
+            if d and d.get("kind") != "Kustomization":
+                check("name" in d.get("metadata", {}), f"{name}: {d.get('kind')} without a name")
+            if d:
+                docs.setdefault(d["kind"], []).append(d)
+kust = docs["Kustomization"][0]
+for res in kust["resources"]:
+    check(os.path.exists(os.path.join(K8S, res)), f"kustomization lists missing {res}")
+
+flags = subprocess.run([SERVER, "--help"], capture_output=True, text=True).stdout
+config = docs["ConfigMap"][0]["data"]
+for key, value in config.items():
+    check(key.startswith("LLAVA_"), f"ConfigMap key {key} is not an LLAVA_ setting")
+    flag = "--" + key[len("LLAVA_"):].lower().replace("_", "-")
+    check(re.search(re.escape(flag) + r"\b", flags) is not None,
+          f"ConfigMap key {key}: llava-server has no flag {flag}")
+    check(isinstance(value, str), f"ConfigMap value of {key} must be a string")
+
+deploy = docs["Deployment"][0]
+pod = deploy["spec"]["template"]
+check(deploy["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(),
+      "Deployment selector does not match the pod labels")
+container = pod["spec"]["containers"][0]
+ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+check(ports.get("grpc") == int(config["LLAVA_LISTEN"].rsplit(":", 1)[1]),
+      "container port grpc differs from LLAVA_LISTEN")
+check(ports.get("metrics") == int(config["LLAVA_METRICS_LISTEN"].rsplit(":", 1)[1]),
+      "container port metrics differs from LLAVA_METRICS_LISTEN")
+check(pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"]),
+      "prometheus.io/port annotation differs from the metrics port")
+check(pod["spec"]["terminationGracePeriodSeconds"] > float(config["LLAVA_SHUTDOWN_GRACE_SECONDS"]),
+      "terminationGracePeriodSeconds must exceed LLAVA_SHUTDOWN_GRACE_SECONDS")
+for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    p = container.get(probe)
+    check(p is not None, f"container has no {probe}")
+    if p and "grpc" in p:
+        check(p["grpc"]["port"] in ports.values(), f"{probe} uses a port the container lacks")
+    if p and "httpGet" in p:
+        check(p["httpGet"]["port"] in ports, f"{probe} uses a port name the container lacks")
+        check(p["httpGet"]["path"] == "/healthz", f"{probe} should probe /healthz")
+for svc in docs["Service"]:
+    check(svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items(),
+          f"Service {svc['metadata']['name']} selects no llava-server pod")
+    for p in svc["spec"]["ports"]:
+        check(p["targetPort"] in ports, f"Service {svc['metadata']['name']}: unknown targetPort")
+dockerfile = read("Dockerfile")
+for port in ports.values():
+    check(re.search(rf"EXPOSE[^\n]*\b{port}\b", dockerfile) is not None,
+          f"Dockerfile does not EXPOSE {port}")
+
+if failures:
+    print("\n".join("FAIL: " + f for f in failures))
+    sys.exit(1)
+print(f"deploy/ consistent: {len(exported)} exported metrics, {len(exprs)} dashboard queries, "
+      f"{sum(len(v) for v in docs.values())} Kubernetes documents, {len(config)} settings")
