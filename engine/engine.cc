@@ -255,19 +255,18 @@ void Engine::Step(const std::vector<Sequence*>& admitted) {
                           decoding[i]->cache->NextPosition(), decoding[i]->cache.get(), false});
       }
     }
-    at::Tensor logits = model.Forward(chunks);  // [admitted + decoding, V]
-    int64_t row_index = 0;
+    at::Tensor logits = model.Forward(chunks).to(at::kCPU).contiguous();  // [rows, V] fp32
+    const int vocab = static_cast<int>(logits.size(1));
+    float* row = logits.data_ptr<float>();
     for (Sequence* seq : admitted) {
-      at::Tensor row = logits[row_index++].contiguous();
-      const std::string delta =
-          seq->state->Step(row.data_ptr<float>(), static_cast<int>(row.size(0)));
+      const std::string delta = seq->state->Step(row, vocab);
+      row += vocab;
       seq->result.ttft_seconds = Seconds(seq->req->submitted, Clock::now());
       if (!delta.empty()) seq->req->observer->OnText(delta);
     }
     for (Sequence* seq : decoding) {
-      at::Tensor row = logits[row_index++].contiguous();
-      const std::string delta =
-          seq->state->Step(row.data_ptr<float>(), static_cast<int>(row.size(0)));
+      const std::string delta = seq->state->Step(row, vocab);
+      row += vocab;
       if (!delta.empty()) seq->req->observer->OnText(delta);
     }
     std::lock_guard<std::mutex> lock(mu_);

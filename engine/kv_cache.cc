@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace llava {
 namespace {
@@ -14,8 +15,10 @@ class LayerBuffer {
     const int64_t n = k.size(1);
     if (!k_.defined() || len_ + n > k_.size(1))
       Grow(k, std::max<int64_t>(len_ + n, 2 * Capacity()));
-    k_.narrow(1, len_, n).copy_(k);
-    v_.narrow(1, len_, n).copy_(v);
+    if (!CopyRows(k, k_) || !CopyRows(v, v_)) {
+      k_.narrow(1, len_, n).copy_(k);
+      v_.narrow(1, len_, n).copy_(v);
+    }
     len_ += n;
   }
   // Replaces the contents with `k`, `v` [Hkv, len, hd].
@@ -27,11 +30,39 @@ class LayerBuffer {
   // overlap). Only the entries after `i` move.
   void Erase(int64_t i) {
     const int64_t tail = len_ - i - 1;
-    if (tail > 0) {
+    if (tail > 0 && k_.device().is_cpu()) {
+      // Decoding evicts an entry per layer and step: a memmove per head, not four ATen ops.
+      const int64_t row = k_.size(2) * k_.element_size(), head = k_.size(1) * row;
+      auto* kp = static_cast<char*>(k_.data_ptr());
+      auto* vp = static_cast<char*>(v_.data_ptr());
+      for (int64_t h = 0; h < k_.size(0); ++h) {
+        std::memmove(kp + h * head + i * row, kp + h * head + (i + 1) * row, tail * row);
+        std::memmove(vp + h * head + i * row, vp + h * head + (i + 1) * row, tail * row);
+      }
+    } else if (tail > 0) {
       k_.narrow(1, i, tail).copy_(k_.narrow(1, i + 1, tail).clone());
       v_.narrow(1, i, tail).copy_(v_.narrow(1, i + 1, tail).clone());
     }
     --len_;
+  }
+  // Decoding appends one row per layer and step: on the CPU, without autograd, a memcpy per
+  // head instead of two ATen copies. False when the fast path does not apply.
+  bool CopyRows(const at::Tensor& src, at::Tensor& dst) const {
+    if (!src.device().is_cpu() || !dst.device().is_cpu() ||
+        src.scalar_type() != dst.scalar_type() || src.stride(2) != 1 || src.requires_grad() ||
+        dst.requires_grad()) {
+      return false;
+    }
+    const int64_t es = src.element_size(), row = src.size(2) * es;
+    const auto* from = static_cast<const char*>(src.data_ptr());
+    auto* to = static_cast<char*>(dst.data_ptr());
+    for (int64_t h = 0; h < src.size(0); ++h) {
+      for (int64_t i = 0; i < src.size(1); ++i) {
+        std::memcpy(to + (h * dst.size(1) + len_ + i) * row,
+                    from + (h * src.stride(0) + i * src.stride(1)) * es, row);
+      }
+    }
+    return true;
   }
   at::Tensor Keys() const { return k_.defined() ? k_.narrow(1, 0, len_) : at::Tensor(); }
   at::Tensor Values() const { return v_.defined() ? v_.narrow(1, 0, len_) : at::Tensor(); }

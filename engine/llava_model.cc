@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "engine/cpu_gemv.h"
+#include "engine/decode_attention.h"
 #include "engine/weights.h"
 
 #ifdef LLAVA_WITH_CUDA
@@ -375,16 +376,55 @@ at::Tensor LlavaModel::Attention(const at::Tensor& q, const at::Tensor& k_new,
   return CachedAttention(q, cache->Keys(layer), cache->Values(layer), &observe);
 }
 
+at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
+                                    const std::vector<int64_t>& offsets,
+                                    const std::vector<size_t>& decode_rows, const at::Tensor& q,
+                                    const at::Tensor& k, const at::Tensor& v, int layer) const {
+  std::vector<at::Tensor> attn(chunks.size());
+  if (!decode_rows.empty()) {
+    const size_t b = decode_rows.size();
+    std::vector<at::Tensor> keys(b), values(b), probs;
+    std::vector<bool> want(b);
+    std::vector<int64_t> rows(b);
+    bool any_want = false;
+    for (size_t i = 0; i < b; ++i) {
+      KvCache* cache = chunks[decode_rows[i]].cache;
+      rows[i] = offsets[decode_rows[i]];
+      cache->Append(layer, k.narrow(0, rows[i], 1).transpose(0, 1),
+                    v.narrow(0, rows[i], 1).transpose(0, 1));
+      keys[i] = cache->Keys(layer);
+      values[i] = cache->Values(layer);
+      want[i] = cache->WantsAttentionProbs(layer);
+      any_want = any_want || want[i];
+    }
+    const bool all = b == chunks.size();  // then rows are 0..b-1 in order
+    at::Tensor out = DecodeAttention(all ? q : q.index_select(0, at::tensor(rows, at::kLong)), keys,
+                                     values, want, any_want ? &probs : nullptr);
+    for (size_t i = 0; i < b; ++i) {
+      if (want[i]) chunks[decode_rows[i]].cache->ObserveAttention(layer, probs[i]);
+    }
+    if (all) return out;
+    for (size_t i = 0; i < b; ++i) attn[decode_rows[i]] = out.narrow(0, static_cast<int64_t>(i), 1);
+  }
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (attn[c].defined()) continue;
+    const int64_t n = chunks[c].embeds.size(0);
+    attn[c] = Attention(q.narrow(0, offsets[c], n), k.narrow(0, offsets[c], n),
+                        v.narrow(0, offsets[c], n), layer, chunks[c].cache);
+  }
+  return attn.size() == 1 ? attn[0] : at::cat(attn, 0);
+}
+
 at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
   const TextConfig& t = config_.text;
   const int64_t nh = t.num_attention_heads, nkv = t.num_key_value_heads, hd = t.head_dim;
-  std::vector<at::Tensor> embeds, positions;
-  std::vector<int64_t> offsets, logit_rows;
+  std::vector<at::Tensor> embeds;
+  std::vector<int64_t> offsets, logit_rows, positions;
   int64_t total = 0;
   for (const SequenceChunk& c : chunks) {
     const int64_t n = c.embeds.size(0);
     embeds.push_back(c.embeds);
-    positions.push_back(at::arange(c.start_position, c.start_position + n, at::kLong));
+    for (int64_t i = 0; i < n; ++i) positions.push_back(c.start_position + i);
     offsets.push_back(total);
     if (c.all_logits) {
       for (int64_t i = 0; i < n; ++i) logit_rows.push_back(total + i);
@@ -394,8 +434,16 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
     total += n;
   }
   const at::Device dev(options_.device);
+  // Chunks of one new token (decoding) share one DecodeAttention call per layer on the CPU.
+  std::vector<size_t> decode_rows;
+  // (The trainer's forward, whose weights require grad, keeps ATen's differentiable path.)
+  if (dev.is_cpu() && !embed_tokens_.requires_grad()) {
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      if (chunks[c].embeds.size(0) == 1) decode_rows.push_back(c);
+    }
+  }
   at::Tensor x = embeds.size() == 1 ? embeds[0] : at::cat(embeds, 0);  // [N, D]
-  at::Tensor pos = (positions.size() == 1 ? positions[0] : at::cat(positions, 0)).to(dev);  // [N]
+  at::Tensor pos = at::tensor(positions, at::kLong).to(dev);           // [N]
   const RotaryTable rope = MakeRotaryTable(pos, inv_freq_);
 
   for (int li = 0; li < t.num_hidden_layers; ++li) {
@@ -405,13 +453,7 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
     at::Tensor q = ApplyRotary(qkv.narrow(1, 0, nh * hd).view({total, nh, hd}), rope);
     at::Tensor k = ApplyRotary(qkv.narrow(1, nh * hd, nkv * hd).view({total, nkv, hd}), rope);
     at::Tensor v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({total, nkv, hd});
-    std::vector<at::Tensor> attn;
-    for (size_t c = 0; c < chunks.size(); ++c) {
-      const int64_t n = chunks[c].embeds.size(0);
-      attn.push_back(Attention(q.narrow(0, offsets[c], n), k.narrow(0, offsets[c], n),
-                               v.narrow(0, offsets[c], n), li, chunks[c].cache));
-    }
-    x = x + l.o(attn.size() == 1 ? attn[0] : at::cat(attn, 0));
+    x = x + l.o(AllAttention(chunks, offsets, decode_rows, q, k, v, li));
     hn = RmsNorm(x, l.post_norm, t.rms_norm_eps);
     at::Tensor gate_up = l.gate_up(hn);  // [N, 2F]
     const int64_t f = t.intermediate_size;

@@ -99,9 +99,10 @@ class LlavaModel {
   std::vector<std::pair<std::string, at::Tensor*>> MutableParameters();
 
   // Runs the decoder over several sequences at once: linear layers on all rows together,
-  // attention per sequence against its own cache (caches are ragged). Appends each chunk's K/V
-  // to its cache and calls cache->OnForwardDone(n). Returns fp32 logits, one row per chunk
-  // (or n rows for chunks with all_logits), in chunk order: [rows, V].
+  // attention against each sequence's own cache (caches are ragged): one DecodeAttention call
+  // for all one-token chunks on the CPU, CachedAttention per chunk otherwise. Appends each chunk's
+  // K/V to its cache and calls cache->OnForwardDone(n). Returns fp32 logits, one row per chunk (or
+  // n rows for chunks with all_logits), in chunk order: [rows, V].
   at::Tensor Forward(const std::vector<SequenceChunk>& chunks) const;
 
  private:
@@ -109,6 +110,12 @@ class LlavaModel {
   Status LoadWeights(WeightSource* source);
   at::Tensor Attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                        int layer, KvCache* cache) const;
+  // Attention output of every chunk of one layer, [N, H*hd] in row order; `decode_rows` are
+  // the chunks that go through DecodeAttention together.
+  at::Tensor AllAttention(const std::vector<SequenceChunk>& chunks,
+                          const std::vector<int64_t>& offsets,
+                          const std::vector<size_t>& decode_rows, const at::Tensor& q,
+                          const at::Tensor& k, const at::Tensor& v, int layer) const;
 
   LlavaConfig config_;
   ModelOptions options_;

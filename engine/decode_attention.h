@@ -1,0 +1,26 @@
+// Attention of one decode step for a batch of sequences in one call (CPU).
+//
+// During decoding every running sequence contributes one query row per layer, and each has its
+// own KV cache of its own length. Run through ATen, that is a dozen small ops per sequence and
+// layer, and with a small model those ops' fixed costs, not arithmetic, set the step time (the
+// 8-stream batch was only 2x one stream: docs/BENCHMARKS.md). This kernel reads every cache in
+// place (no padding, no gather) and computes all sequences and heads in one parallel loop.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace llava {
+
+// q [B, H, hd] (float or bf16); keys[b] and values[b] [Hkv, L_b, hd] with H % Hkv == 0,
+// float or bf16, the last dimension contiguous. Query head h reads KV head h / (H / Hkv).
+// Returns softmax(q k^T / sqrt(hd)) v as [B, H * hd] in q's dtype (no mask: every stored entry
+// precedes the new row). When `probs` is not null, (*probs)[b] receives the probabilities of
+// sequence b as a float [H, 1, L_b] tensor for each b with want_probs[b], and stays undefined
+// otherwise. CPU tensors only.
+at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+                           const std::vector<at::Tensor>& values,
+                           const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs);
+
+}  // namespace llava

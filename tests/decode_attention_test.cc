@@ -1,0 +1,77 @@
+// DecodeAttention (one query row per sequence, all sequences in one call) against the ATen
+// attention path (CachedAttention, itself checked against a naive loop in model_test.cc).
+#include "engine/decode_attention.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "engine/llava_model.h"
+
+namespace llava {
+namespace {
+
+struct Case {
+  at::ScalarType dtype;
+  double tol;
+};
+
+class DecodeAttentionTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DecodeAttentionTest, MatchesPerSequenceAttention) {
+  const auto [dtype, tol] = GetParam();
+  const int64_t heads = 4, kv_heads = 2, hd = 64;
+  const std::vector<int64_t> lengths = {1, 7, 300, 33};  // 300 > one query block of the ATen path
+  at::manual_seed(7);
+  const int64_t batch = static_cast<int64_t>(lengths.size());
+  at::Tensor q = at::randn({batch, heads, hd}).to(dtype);
+  std::vector<at::Tensor> keys, values;
+  for (int64_t len : lengths) {
+    // Views into a larger buffer, as the caches hand them out: strided in dims 0 and 1.
+    at::Tensor kbuf = at::randn({kv_heads, len + 5, hd}).to(dtype);
+    at::Tensor vbuf = at::randn({kv_heads, len + 5, hd}).to(dtype);
+    keys.push_back(kbuf.narrow(1, 0, len));
+    values.push_back(vbuf.narrow(1, 0, len));
+  }
+  const std::vector<bool> want = {true, false, true, true};
+  std::vector<at::Tensor> probs;
+  at::Tensor got = DecodeAttention(q, keys, values, want, &probs);
+  ASSERT_EQ(got.sizes(), (std::vector<int64_t>{batch, heads * hd}));
+  EXPECT_EQ(got.scalar_type(), dtype);
+  for (int64_t b = 0; b < batch; ++b) {
+    // The reference in fp32 on the same (rounded) inputs.
+    at::Tensor ref_probs;
+    const ProbsObserver keep = [&](int64_t, const at::Tensor& p) { ref_probs = p.clone(); };
+    at::Tensor ref = CachedAttention(q[b].unsqueeze(0).to(at::kFloat), keys[b].to(at::kFloat),
+                                     values[b].to(at::kFloat), &keep);
+    EXPECT_LT((got[b].to(at::kFloat) - ref[0]).abs().max().item<double>(), tol) << "sequence " << b;
+    if (want[b]) {
+      ASSERT_TRUE(probs[b].defined());
+      ASSERT_EQ(probs[b].sizes(), ref_probs.sizes());
+      EXPECT_LT((probs[b] - ref_probs).abs().max().item<double>(), 1e-5) << "sequence " << b;
+      EXPECT_NEAR(probs[b].sum().item<double>(), heads, 1e-4);
+    } else {
+      EXPECT_FALSE(probs[b].defined());
+    }
+  }
+}
+
+// fp32: same arithmetic up to summation order; bf16: the output's own rounding (values ~ 1).
+INSTANTIATE_TEST_SUITE_P(Dtypes, DecodeAttentionTest,
+                         ::testing::Values(Case{at::kFloat, 1e-5}, Case{at::kBFloat16, 2e-2}));
+
+TEST(DecodeAttention, SequencesDoNotSeeEachOther) {
+  // Changing one sequence's cache changes only that sequence's output.
+  at::manual_seed(3);
+  at::Tensor q = at::randn({3, 2, 16});
+  std::vector<at::Tensor> k = {at::randn({1, 5, 16}), at::randn({1, 9, 16}), at::randn({1, 2, 16})};
+  std::vector<at::Tensor> v = {at::randn({1, 5, 16}), at::randn({1, 9, 16}), at::randn({1, 2, 16})};
+  at::Tensor before = DecodeAttention(q, k, v, {false, false, false}, nullptr);
+  v[1] = v[1] + 1.0;
+  at::Tensor after = DecodeAttention(q, k, v, {false, false, false}, nullptr);
+  EXPECT_TRUE(at::equal(before[0], after[0]));
+  EXPECT_TRUE(at::equal(before[2], after[2]));
+  EXPECT_FALSE(at::allclose(before[1], after[1]));
+}
+
+}  // namespace
+}  // namespace llava
