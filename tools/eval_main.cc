@@ -20,6 +20,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "engine/eval_metrics.h"
@@ -36,6 +37,7 @@ using llava::ContentPart;
 struct Sample {
   llava::GenerationRequest request;
   std::string answer, short_answer;
+  std::string kind;  // optional "kind" field: accuracy is also reported per kind
 };
 
 llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int limit) {
@@ -58,6 +60,7 @@ llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int li
     s.answer = j["answer"];
     if (j.contains("short_answer") && j["short_answer"].is_string())
       s.short_answer = j["short_answer"];
+    if (j.contains("kind") && j["kind"].is_string()) s.kind = j["kind"];
     std::vector<std::string> images;
     if (j.contains("image") && j["image"].is_string()) images.push_back(j["image"]);
     if (j.contains("images") && j["images"].is_array()) {
@@ -108,6 +111,9 @@ struct Cell {  // one policy x budget, accumulated over samples
   double Ppl() const { return tokens ? std::exp(nll / tokens) : 0; }
   double Accuracy() const { return with_short ? double(correct) / with_short : NAN; }
   double RougeRef() const { return long_answers ? rouge_ref / long_answers : NAN; }
+  // kind -> {score sum, items}: exact matches for short answers, ROUGE-L vs the reference
+  // for long ones
+  std::map<std::string, std::pair<double, int>> by_kind;
 };
 
 void WritePlots(const std::string& out, const std::map<std::pair<std::string, double>, Cell>& cells,
@@ -151,6 +157,41 @@ void WritePlots(const std::string& out, const std::map<std::pair<std::string, do
 }
 
 }  // namespace
+
+// Per-kind scores (exact match, or ROUGE-L vs the reference for long answers): a table on
+// stdout and kinds.csv (policy, budget, kind, items, score).
+void WriteKinds(const std::string& out, const std::map<std::pair<std::string, double>, Cell>& cells,
+                const std::vector<std::pair<std::string, double>>& order) {
+  std::set<std::string> kinds;
+  for (const auto& [key, c] : cells) {
+    for (const auto& [kind, v] : c.by_kind) kinds.insert(kind);
+  }
+  if (kinds.empty()) return;
+  std::ofstream csv(out + "/kinds.csv");
+  csv << "policy,budget,kind,items,score\n";
+  std::printf("\nper kind (exact match; ROUGE-L vs reference for descriptions):\n%-20s", "");
+  for (const auto& k : kinds) std::printf(" %*s", std::max<int>(6, k.size()), k.c_str());
+  std::printf("\n");
+  for (const auto& key : order) {
+    const Cell& c = cells.at(key);
+    std::printf("%-14s %5.2f", key.first.c_str(), key.second);
+    for (const auto& k : kinds) {
+      const int w = std::max<int>(6, k.size());
+      auto it = c.by_kind.find(k);
+      if (it == c.by_kind.end()) {
+        std::printf(" %*s", w, "-");
+        continue;
+      }
+      const double score = it->second.first / it->second.second;
+      std::printf(" %*.3f", w, score);
+      char line[256];
+      std::snprintf(line, sizeof(line), "%s,%.2f,%s,%d,%.4f\n", key.first.c_str(), key.second,
+                    k.c_str(), it->second.second, score);
+      csv << line;
+    }
+    std::printf("\n");
+  }
+}
 
 int main(int argc, char** argv) {
   CLI::App app{"Quality and memory of KV-cache policies (PPL, ROUGE-L, accuracy, bytes)"};
@@ -236,12 +277,19 @@ int main(int argc, char** argv) {
         c.decode_s += score->decode_seconds;
         c.decode_tokens += std::max(0, score->tokens - 1);
         ++c.samples;
+        const double item = s.short_answer.empty()
+                                ? llava::RougeL(answer->text, s.answer)
+                                : double(llava::ExactMatch(answer->text, s.short_answer));
         if (!s.short_answer.empty()) {
           ++c.with_short;
-          c.correct += llava::ExactMatch(answer->text, s.short_answer);
+          c.correct += static_cast<int>(item);
         } else {
           ++c.long_answers;
-          c.rouge_ref += llava::RougeL(answer->text, s.answer);
+          c.rouge_ref += item;
+        }
+        if (!s.kind.empty()) {
+          c.by_kind[s.kind].first += item;
+          ++c.by_kind[s.kind].second;
         }
       }
     }
@@ -284,6 +332,7 @@ int main(int argc, char** argv) {
          {"decode_ms_per_token", decode_ms}});
   }
   std::ofstream(out + "/results.json") << json.dump(2) << "\n";
+  WriteKinds(out, cells, order);
   WritePlots(out, cells, policies, budgets);
   std::printf("wrote %s/results.csv, results.json and plots\n", out.c_str());
   return 0;

@@ -298,16 +298,13 @@ QA Describe(const Scene& s) {
 }
 
 std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe) {
+  if (rng.Chance(p_describe)) return {Describe(scene)};
   const int n = 3 + rng.Uniform(6);
   std::vector<QA> turns;
   std::set<std::string> asked;
   for (int tries = 0; static_cast<int>(turns.size()) < n && tries < 4 * n; ++tries) {
     QA qa = AskShortQuestion(scene, rng);
     if (asked.insert(qa.question).second) turns.push_back(std::move(qa));
-  }
-  if (rng.Chance(p_describe)) {
-    const int at = rng.Uniform(static_cast<int>(turns.size()) + 1);
-    turns.insert(turns.begin() + at, Describe(scene));
   }
   return turns;
 }

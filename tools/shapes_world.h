@@ -67,8 +67,9 @@ QA AskShortQuestion(const Scene& scene, Rng& rng);
 QA Describe(const Scene& scene);
 std::string DescribeText(const Scene& scene);
 
-// A training conversation: 3-8 short questions, a description with probability `p_describe`
-// at a random turn; questions are not repeated.
+// A training conversation: with probability `p_describe` the description alone, otherwise 3-8
+// distinct short questions. Never both: a short answer that follows the description in the
+// same conversation can be copied from its text instead of being read from the image.
 std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe);
 
 }  // namespace llava::shapes

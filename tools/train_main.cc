@@ -85,11 +85,11 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
 }
 
 Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config, uint64_t seed,
-                    int64_t step, int b) {
+                    int64_t step, int b, double describe_prob) {
   for (int attempt = 0;; ++attempt) {
     Rng rng(Mix(seed ^ kSceneStream, static_cast<uint64_t>(step) * 64 + b, attempt));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
-    std::vector<QA> turns = llava::shapes::SampleConversation(scene, rng, 0.5);
+    std::vector<QA> turns = llava::shapes::SampleConversation(scene, rng, describe_prob);
     Example ex;
     if (!BuildExample(tok, config, turns, &ex)) continue;
     llava::RgbImage img;
@@ -132,6 +132,30 @@ class CpuAutocast {
   bool on_;
 };
 
+// 2-D sin-cos patch positions (as in MAE) for the learned CLIP position embedding, scaled to
+// `rms` per element; the class token's row is zero. With N(0, 0.02) the positions are ~20x
+// weaker than the patch contents after the pre-layernorm, and the first model never learnt
+// where objects are (docs/TRAINING.md).
+at::Tensor SinCosPositions(const llava::VisionConfig& v, double rms) {
+  const int64_t grid = v.image_size / v.patch_size, d = v.hidden_size, quarter = d / 4;
+  at::Tensor out = at::zeros({grid * grid + 1, d});
+  auto a = out.accessor<float, 2>();
+  for (int64_t r = 0; r < grid; ++r) {
+    for (int64_t c = 0; c < grid; ++c) {
+      for (int64_t k = 0; k < quarter; ++k) {
+        // wavelengths from 2 pi to 2 pi * 100 patches: the grid is only `grid` wide
+        const double omega = std::pow(100.0, -double(k) / quarter);
+        float* row = &a[1 + r * grid + c][0];
+        row[k] = static_cast<float>(std::sin(r * omega));
+        row[quarter + k] = static_cast<float>(std::cos(r * omega));
+        row[2 * quarter + k] = static_cast<float>(std::sin(c * omega));
+        row[3 * quarter + k] = static_cast<float>(std::cos(c * omega));
+      }
+    }
+  }
+  return out * (rms / std::sqrt(0.5));
+}
+
 llava::LlavaConfig DefaultConfig(const llava::Tokenizer& tok) {
   llava::LlavaConfig c;
   c.vision.hidden_size = 192;
@@ -164,7 +188,7 @@ int main(int argc, char** argv) {
   int64_t steps = 3000, warmup = 150, save_every = 250;
   int batch = 8, threads = 2, vocab = 512, corpus_scenes = 20000;
   bool bf16 = true;
-  double embed_std = 0.02, patch_std = 0.02;
+  double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, describe_prob = 0.5;
   double lr = 1.5e-3, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
   app.add_option("--out", out_dir, "output llava-hf folder")->capture_default_str();
   app.add_option("--seed", seed, "seed of data, tokenizer corpus and weights")
@@ -180,6 +204,12 @@ int main(int argc, char** argv) {
   app.add_option("--save-every", save_every, "checkpoint interval (steps)")->capture_default_str();
   app.add_option("--embed-std", embed_std, "initial token-embedding std")->capture_default_str();
   app.add_option("--patch-std", patch_std, "initial patch-embedding std")->capture_default_str();
+  app.add_option("--pos-rms", pos_rms,
+                 "RMS of the 2-D sin-cos initial patch position embedding (0 = N(0, 0.02))")
+      ->capture_default_str();
+  app.add_option("--describe-prob", describe_prob,
+                 "probability that a training conversation is the description alone")
+      ->capture_default_str();
   app.add_option("--bf16", bf16, "bf16 autocast for the forward pass")->capture_default_str();
   app.add_option("--max-minutes", minutes, "stop (and save) after this long; 0 = no limit");
   CLI11_PARSE(app, argc, argv);
@@ -205,6 +235,9 @@ int main(int argc, char** argv) {
     for (auto& [name, t] : init) {
       if (name == "lm.embed_tokens.weight") t.normal_(0.0, embed_std, gen);
       if (name == "vision.embeddings.patch_embedding.weight") t.normal_(0.0, patch_std, gen);
+      if (name == "vision.embeddings.position_embedding.weight" && pos_rms > 0) {
+        t.copy_(SinCosPositions(config.vision, pos_rms));
+      }
     }
   }
   llava::ModelOptions options;
@@ -272,7 +305,7 @@ int main(int argc, char** argv) {
     std::vector<float> pixels;
     std::vector<int64_t> labels;
     for (int b = 0; b < batch; ++b) {
-      examples.push_back(MakeExample(**tok, config, seed, step, b));
+      examples.push_back(MakeExample(**tok, config, seed, step, b, describe_prob));
       pixels.insert(pixels.end(), examples.back().pixels.begin(), examples.back().pixels.end());
       labels.insert(labels.end(), examples.back().labels.begin(), examples.back().labels.end());
     }
