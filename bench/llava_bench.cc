@@ -4,6 +4,8 @@
 // tokens/s at 1, 4 and 8 concurrent sequences (linear layers batched across sequences,
 // attention per sequence), and the decode "bandwidth floor": a batch-1 decode step must read
 // every decoder weight once, so tokens/s <= bandwidth / weight bytes. Medians of --reps runs.
+// With --model DIR the same measurements run on that checkpoint (e.g. the shipped default
+// model: how decode scales with the batch when per-sequence work, not weights, dominates).
 // The last line is `key=value` pairs for scripts.
 #include <ATen/ATen.h>
 
@@ -12,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "engine/generator.h"
 #include "engine/kv_cache.h"
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
@@ -198,7 +201,9 @@ int main(int argc, char** argv) {
   app.add_option("--context", context, "tokens in each sequence before decoding")
       ->capture_default_str();
   app.add_option("--batches", batches, "decode batch sizes")->capture_default_str();
-  std::string suite = "decoder";
+  std::string suite = "decoder", model_dir;
+  app.add_option("--model", model_dir,
+                 "a llava-hf folder to measure (bf16) instead of random 7B-shape layers");
   app.add_option("--suite", suite, "decoder (issue 2 numbers) | policies (Elastic vs Full)")
       ->check(CLI::IsMember({"decoder", "policies"}))
       ->capture_default_str();
@@ -209,14 +214,29 @@ int main(int argc, char** argv) {
   const double bandwidth = MeasureReadBandwidth(int64_t{1} << 30);
   std::printf("threads=%d read_bandwidth=%.1f GB/s\n", threads, bandwidth / 1e9);
 
-  const llava::LlavaConfig config = BenchConfig(layers);
-  auto model_or = llava::LlavaModel::FromWeights(
-      config, llava::NewTensorMapSource(RandomWeights(config)), llava::ModelOptions());
-  if (!model_or.ok()) {
-    std::fprintf(stderr, "%s\n", model_or.status().ToString().c_str());
-    return 1;
+  std::unique_ptr<llava::LoadedModel> loaded;
+  std::unique_ptr<llava::LlavaModel> random;
+  if (!model_dir.empty()) {
+    auto loaded_or = llava::LoadModel(model_dir, llava::ModelOptions());
+    if (!loaded_or.ok()) {
+      std::fprintf(stderr, "%s\n", loaded_or.status().ToString().c_str());
+      return 1;
+    }
+    loaded = std::move(*loaded_or);
+  } else {
+    const llava::LlavaConfig random_config = BenchConfig(layers);
+    auto model_or = llava::LlavaModel::FromWeights(
+        random_config, llava::NewTensorMapSource(RandomWeights(random_config)),
+        llava::ModelOptions());
+    if (!model_or.ok()) {
+      std::fprintf(stderr, "%s\n", model_or.status().ToString().c_str());
+      return 1;
+    }
+    random = std::move(*model_or);
   }
-  const llava::LlavaModel& model = **model_or;
+  const llava::LlavaModel& model = loaded ? *loaded->model : *random;
+  const llava::LlavaConfig& config = model.config();
+  layers = config.text.num_hidden_layers;
   const int64_t vocab = config.text.vocab_size;
   if (suite == "policies") {
     // 600 tokens: 576 image rows + a short question, as a LLaVA-1.5 prompt.

@@ -13,8 +13,9 @@
 
 namespace llava {
 
-// q [B, H, hd] (float or bf16); keys[b] and values[b] [Hkv, L_b, hd] with H % Hkv == 0,
-// float or bf16, the last dimension contiguous. Query head h reads KV head h / (H / Hkv).
+// q [B, H, hd <= 256] (float or bf16); keys[b] and values[b] [Hkv, L_b, hd], the same Hkv
+// for every sequence with H % Hkv == 0, float or bf16, the last dimension contiguous. Query
+// head h reads KV head h / (H / Hkv); the H / Hkv heads of a group share each row's load.
 // Returns softmax(q k^T / sqrt(hd)) v as [B, H * hd] in q's dtype (no mask: every stored entry
 // precedes the new row). When `probs` is not null, (*probs)[b] receives the probabilities of
 // sequence b as a float [H, 1, L_b] tensor for each b with want_probs[b], and stays undefined

@@ -13,13 +13,13 @@ namespace {
 struct Case {
   at::ScalarType dtype;
   double tol;
+  int64_t heads, kv_heads, hd;
 };
 
 class DecodeAttentionTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DecodeAttentionTest, MatchesPerSequenceAttention) {
-  const auto [dtype, tol] = GetParam();
-  const int64_t heads = 4, kv_heads = 2, hd = 64;
+  const auto [dtype, tol, heads, kv_heads, hd] = GetParam();
   const std::vector<int64_t> lengths = {1, 7, 300, 33};  // 300 > one query block of the ATen path
   at::manual_seed(7);
   const int64_t batch = static_cast<int64_t>(lengths.size());
@@ -56,8 +56,14 @@ TEST_P(DecodeAttentionTest, MatchesPerSequenceAttention) {
 }
 
 // fp32: same arithmetic up to summation order; bf16: the output's own rounding (values ~ 1).
-INSTANTIATE_TEST_SUITE_P(Dtypes, DecodeAttentionTest,
-                         ::testing::Values(Case{at::kFloat, 1e-5}, Case{at::kBFloat16, 2e-2}));
+// Grouped KV heads (4 query heads on 2), one KV head per query head, LLaVA-7B's head size;
+// multiples of 16 take the AVX-512 kernel where the CPU has it.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DecodeAttentionTest,
+    ::testing::Values(Case{at::kFloat, 1e-5, 4, 2, 64}, Case{at::kBFloat16, 2e-2, 4, 2, 64},
+                      Case{at::kFloat, 1e-5, 3, 3, 128}, Case{at::kBFloat16, 2e-2, 8, 1, 32},
+                      // not a multiple of 16: the portable loops
+                      Case{at::kBFloat16, 2e-2, 4, 2, 24}, Case{at::kFloat, 1e-5, 2, 1, 40}));
 
 TEST(DecodeAttention, SequencesDoNotSeeEachOther) {
   // Changing one sequence's cache changes only that sequence's output.
