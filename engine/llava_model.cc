@@ -387,11 +387,12 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
     std::vector<bool> want(b);
     std::vector<int64_t> rows(b);
     bool any_want = false;
+    // [Hkv, N, hd] views made once: each sequence's row is then a single narrow.
+    const at::Tensor kt = k.transpose(0, 1), vt = v.transpose(0, 1);
     for (size_t i = 0; i < b; ++i) {
       KvCache* cache = chunks[decode_rows[i]].cache;
       rows[i] = offsets[decode_rows[i]];
-      cache->Append(layer, k.narrow(0, rows[i], 1).transpose(0, 1),
-                    v.narrow(0, rows[i], 1).transpose(0, 1));
+      cache->Append(layer, kt.narrow(1, rows[i], 1), vt.narrow(1, rows[i], 1));
       keys[i] = cache->Keys(layer);
       values[i] = cache->Values(layer);
       want[i] = cache->WantsAttentionProbs(layer);
