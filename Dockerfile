@@ -21,5 +21,7 @@ COPY models/examples /opt/llava/examples
 RUN useradd --system --uid 65532 --no-create-home llava
 USER 65532
 EXPOSE 50051 9090
+# Settings as environment variables, not arguments: command-line flags would override the
+# LLAVA_* values of deploy/kubernetes/configmap.yaml. One intra-op thread suits the default model.
+ENV LLAVA_LISTEN=0.0.0.0:50051 LLAVA_METRICS_LISTEN=0.0.0.0:9090 LLAVA_THREADS=1
 ENTRYPOINT ["llava-server"]
-CMD ["--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9090"]

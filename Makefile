@@ -21,8 +21,11 @@ test: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
 # The gRPC service with the default model (gRPC :50051, metrics :9090). Ctrl-C drains and stops.
+# One intra-op thread: with the 5 M-parameter default model a second OpenMP thread only
+# contends with the gRPC threads (2.5x slower single stream on 2 cores, docs/BENCHMARKS.md).
+# Use --threads 0 (one per core) for a real LLaVA checkpoint.
 serve: build
-	./$(BUILD)/llava-server --listen 0.0.0.0:50051 --metrics-listen 0.0.0.0:9090
+	./$(BUILD)/llava-server --listen 0.0.0.0:50051 --metrics-listen 0.0.0.0:9090 --threads 1
 
 # The offline generator on a bundled example image (no server needed).
 generate: build

@@ -127,6 +127,9 @@ for svc in docs["Service"]:
     for p in svc["spec"]["ports"]:
         check(p["targetPort"] in ports, f"Service {svc['metadata']['name']}: unknown targetPort")
 dockerfile = read("Dockerfile")
+# Flags on the command line win over LLAVA_* variables: the image must not pass any.
+check(not re.search(r"^(CMD|ENTRYPOINT)[^\n]*--", dockerfile, re.M),
+      "Dockerfile passes server flags that would override the ConfigMap's LLAVA_* settings")
 for port in ports.values():
     check(re.search(rf"EXPOSE[^\n]*\b{port}\b", dockerfile) is not None,
           f"Dockerfile does not EXPOSE {port}")
