@@ -21,6 +21,18 @@ inline float ToFloat(uint16_t bf16) {
 
 constexpr int64_t kMaxHeadDim = 256;
 
+// Softmax of each of the `rows` rows of `p` [rows, len], in place.
+void SoftmaxRows(float* p, int64_t rows, int64_t len) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* pi = p + i * len;
+    float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t j = 0; j < len; ++j) max = std::max(max, pi[j]);
+    for (int64_t j = 0; j < len; ++j) sum += (pi[j] = std::exp(pi[j] - max));
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < len; ++j) pi[j] *= inv;
+  }
+}
+
 // The `g` query heads that share one KV head against one cache: scores (softmax probabilities
 // on return) in `p` [g, len], the weighted sums of values in `out` [g, hd]. Each key and value
 // row is converted to fp32 once for the whole group. fp32 arithmetic throughout.
@@ -42,14 +54,7 @@ inline __attribute__((always_inline)) void Group(const float* q, int64_t g, cons
       p[i * len + j] = acc * scale;
     }
   }
-  for (int64_t i = 0; i < g; ++i) {
-    float* pi = p + i * len;
-    float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    for (int64_t j = 0; j < len; ++j) max = std::max(max, pi[j]);
-    for (int64_t j = 0; j < len; ++j) sum += (pi[j] = std::exp(pi[j] - max));
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < len; ++j) pi[j] *= inv;
-  }
+  SoftmaxRows(p, g, len);
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
   for (int64_t j = 0; j < len; ++j) {
     const KV* vj = v + j * v_stride;
@@ -108,14 +113,7 @@ __attribute__((target("avx512f"))) void GroupAvx512(const float* q, int64_t g, c
       p[i * len + j] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-  for (int64_t i = 0; i < g; ++i) {
-    float* pi = p + i * len;
-    float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    for (int64_t j = 0; j < len; ++j) max = std::max(max, pi[j]);
-    for (int64_t j = 0; j < len; ++j) sum += (pi[j] = std::exp(pi[j] - max));
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < len; ++j) pi[j] *= inv;
-  }
+  SoftmaxRows(p, g, len);
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
   for (int64_t j = 0; j < len; ++j) {
     const KV* vj = v + j * v_stride;
