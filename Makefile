@@ -35,7 +35,7 @@ generate: build
 # Retrains the default model from scratch (~55 min on 2 cores; docs/TRAINING.md). Writes
 # $(BUILD)/shapes-llava; copy it over models/shapes-llava to ship it.
 train: build
-	./$(BUILD)/llava-train --out $(BUILD)/shapes-llava --seed 0 --steps 5400 --batch 16 \
+	./$(BUILD)/llava-train --out $(BUILD)/shapes-llava --seed 0 --steps 4600 --batch 16 \
 	  --warmup 200 --max-minutes 58
 
 # The quality table of docs/POLICIES.md: every policy x budget on the held-out split.

@@ -3,8 +3,9 @@
 // come from the data generator's held-out split (tests/data/default_model/questions.jsonl,
 // images beside it), not from the model. The model is far from perfect (docs/TRAINING.md has
 // its accuracy per question kind), so these eight are the first held-out item of each kind that
-// this checkpoint gets right: the test guards loading, preprocessing and inference of the
-// shipped model against regressions; it does not measure its quality.
+// this checkpoint gets right (scripts/pick_default_questions.py): the test guards loading,
+// preprocessing and inference of the shipped model against regressions; it does not measure
+// its quality.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>

@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
   int batch = 8, threads = 2, vocab = 512, corpus_scenes = 20000;
   bool bf16 = true;
   double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, describe_prob = 0.5;
-  double lr = 1.5e-3, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
+  double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
   app.add_option("--out", out_dir, "output llava-hf folder")->capture_default_str();
   app.add_option("--seed", seed, "seed of data, tokenizer corpus and weights")
       ->capture_default_str();
