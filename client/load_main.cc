@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
   std::atomic<int> next{0};
   std::mutex mu;
   std::vector<double> ttft, itl, e2e;
-  int64_t tokens = 0;
+  int64_t tokens = 0, text_chunks = 0;
   int errors = 0;
   int64_t kv_used = 0, kv_full = 0;
   const Clock::time_point start = Clock::now();
@@ -97,11 +97,13 @@ int main(int argc, char** argv) {
         auto reader = stub->ChatStream(&ctx, req);
         llava::v1::ChatChunk chunk, last;
         std::vector<double> gaps;
+        int64_t chunks = 0;
         double first = -1;
         Clock::time_point prev = t0;
         while (reader->Read(&chunk)) {
           const Clock::time_point now = Clock::now();
           if (!chunk.text_delta().empty()) {
+            ++chunks;
             if (first < 0) {
               first = std::chrono::duration<double>(now - t0).count();
             } else {
@@ -124,6 +126,7 @@ int main(int argc, char** argv) {
         itl.insert(itl.end(), gaps.begin(), gaps.end());
         e2e.push_back(total);
         tokens += last.usage().completion_tokens();
+        text_chunks += chunks;
         kv_used += last.usage().kv_bytes_used();
         kv_full += last.usage().kv_bytes_full();
       }
@@ -137,18 +140,25 @@ int main(int argc, char** argv) {
   std::printf("throughput: %.2f requests/s, %.1f generated tokens/s\n", ok / wall, tokens / wall);
   std::printf("TTFT  p50 %.3f s  p90 %.3f s  p99 %.3f s\n", Percentile(ttft, 50),
               Percentile(ttft, 90), Percentile(ttft, 99));
-  std::printf("ITL   p50 %.4f s  p90 %.4f s  p99 %.4f s\n", Percentile(itl, 50),
-              Percentile(itl, 90), Percentile(itl, 99));
+  // A chunk carries every token produced while the previous one was being sent, so under
+  // load a gap between chunks can span several tokens (text_chunks_per_token < 1).
+  std::printf(
+      "ITL   p50 %.4f s  p90 %.4f s  p99 %.4f s (gaps between text chunks; %.3f chunks "
+      "per token)\n",
+      Percentile(itl, 50), Percentile(itl, 90), Percentile(itl, 99),
+      tokens > 0 ? double(text_chunks) / tokens : 0.0);
   std::printf("E2E   p50 %.3f s  p99 %.3f s\n", Percentile(e2e, 50), Percentile(e2e, 99));
   std::printf("KV bytes kept / full at the end of requests: %.3f\n",
               kv_full > 0 ? double(kv_used) / kv_full : 0.0);
   std::printf(
       "concurrency=%d requests=%d ok=%d errors=%d wall_s=%.3f req_s=%.3f tok_s=%.2f "
       "ttft_p50_s=%.4f ttft_p90_s=%.4f ttft_p99_s=%.4f itl_p50_s=%.5f itl_p90_s=%.5f "
-      "itl_p99_s=%.5f e2e_p50_s=%.4f e2e_p99_s=%.4f kv_kept_ratio=%.4f\n",
+      "itl_p99_s=%.5f e2e_p50_s=%.4f e2e_p99_s=%.4f kv_kept_ratio=%.4f "
+      "text_chunks_per_token=%.4f\n",
       concurrency, requests, ok, errors, wall, ok / wall, tokens / wall, Percentile(ttft, 50),
       Percentile(ttft, 90), Percentile(ttft, 99), Percentile(itl, 50), Percentile(itl, 90),
       Percentile(itl, 99), Percentile(e2e, 50), Percentile(e2e, 99),
-      kv_full > 0 ? double(kv_used) / kv_full : 0.0);
+      kv_full > 0 ? double(kv_used) / kv_full : 0.0,
+      tokens > 0 ? double(text_chunks) / tokens : 0.0);
   return errors == 0 ? 0 : 1;
 }

@@ -174,12 +174,22 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
     double queue_seconds = 0;
   };
 
-  // Queues a chunk and/or the final status (engine thread).
+  // Queues a chunk and/or the final status (engine thread). Text that arrives while earlier
+  // text still waits for its write joins that chunk: a client that reads slower than the
+  // engine produces (or a busy machine) gets fewer, longer deltas instead of a backlog of
+  // one-token messages, each costing a write on both ends.
   void Enqueue(std::optional<v1::ChatChunk> chunk, std::optional<grpc::Status> final_status) {
     std::unique_lock<std::mutex> lock(mu_);
-    if (chunk) queue_.push_back(std::move(*chunk));
+    if (chunk && !queue_.empty() && IsTextOnly(queue_.back()) && IsTextOnly(*chunk)) {
+      queue_.back().mutable_text_delta()->append(chunk->text_delta());
+    } else if (chunk) {
+      queue_.push_back(std::move(*chunk));
+    }
     if (final_status) final_status_ = std::move(final_status);
     Pump(std::move(lock));
+  }
+  static bool IsTextOnly(const v1::ChatChunk& c) {
+    return c.finish_reason() == v1::FINISH_REASON_UNSPECIFIED && !c.has_usage();
   }
   // Starts the next write, or finishes once everything is written. StartWrite and Finish run
   // after the lock is released: a reaction may run inline, and OnDone (which deletes this
