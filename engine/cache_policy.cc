@@ -118,7 +118,7 @@ MergePlan PlanElasticMerge(const std::vector<float>& importance, const CachePara
   // Unprotected, non-anchor positions join the nearest anchor (ties to the earlier one).
   for (int64_t i = sinks; i < t - 1; ++i) {
     if (is_kept[i]) continue;
-    if (anchors.empty()) {
+    if (anchors.empty() || !params.elastic_merge) {
       ++plan.dropped;
       continue;
     }

@@ -33,6 +33,13 @@ struct CacheParams {
   int recent_distance = 25;  // Elastic: the fixed point sits this far from the merged end
   int sink_tokens = -1;      // -1: the policy's default (Elastic 1, StreamingLLM 4, H2O 0)
   PositionMode position_mode = PositionMode::kOriginal;
+  // Elastic only, an ablation for llava-eval (not in the API): false keeps the same anchors
+  // but drops the other prompt entries instead of averaging them into their anchor.
+  bool elastic_merge = true;
+  // Elastic only, an ablation: divide each prompt position's attention column sum by the
+  // number of prompt queries that can see it (T - n), removing the causal bias of the plain
+  // sum toward early positions (docs/POLICIES.md).
+  bool elastic_mean_importance = false;
 
   int sinks() const;
   // Entries a policy never lets the cache drop below once n tokens are in: the sinks plus the
@@ -52,16 +59,16 @@ int64_t CeilBudget(double gamma, int64_t n);
 struct MergePlan {
   std::vector<int64_t> kept;    // positions kept (protected + anchors), ascending
   std::vector<int64_t> bucket;  // [T] index into `kept` each position is averaged into,
-                                // or -1 when dropped (only when there is no anchor at all)
+                                // or -1 when dropped (no anchor at all, or no merging)
   int64_t merged = 0;           // positions folded into an anchor (the anchor not counted)
   int64_t dropped = 0;
 };
 // importance [T]: column sums of the prefill attention, head-averaged. Protected: the first
 // `sinks` positions and position T-1. The K - |protected| unprotected positions of highest
 // importance (ties: earlier position) are anchors, K = EntryTarget(T); every other unprotected
-// position joins the bucket of its nearest anchor by position (ties: the earlier anchor).
-// Note: the official code picks anchors by rank instead of position (an indexing bug); this is
-// the intended top-k.
+// position joins the bucket of its nearest anchor by position (ties: the earlier anchor), or
+// is dropped when `params.elastic_merge` is false. Note: the official code picks anchors by rank
+// instead of position (an indexing bug); this is the intended top-k.
 MergePlan PlanElasticMerge(const std::vector<float>& importance, const CacheParams& params);
 
 // Elastic fixed point N_tl = max(sinks, S0 - recent_distance + 1) for a merged length S0.

@@ -196,6 +196,9 @@ class CompressingKvCache final : public KvCache {
     std::vector<int64_t> keep;
     switch (params_.policy) {
       case CachePolicy::kElastic: {
+        if (params_.elastic_mean_importance) {
+          for (int64_t n = 0; n < t; ++n) scores_[l][n] /= static_cast<float>(t - n);
+        }
         const MergePlan plan = PlanElasticMerge(scores_[l], params_);
         buf.Assign(MergeRows(buf.Keys(), plan), MergeRows(buf.Values(), plan));
         positions_[l] = plan.kept;

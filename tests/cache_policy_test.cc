@@ -29,6 +29,18 @@ TEST(ElasticMerge, HandComputedTenTokens) {
   EXPECT_EQ(plan.dropped, 0);
 }
 
+// The ablation keeps the same survivors as the merge above and drops the rest.
+TEST(ElasticMerge, WithoutMergingDropsTheNonAnchors) {
+  const std::vector<float> importance = {9, 0.1f, 0.5f, 0.3f, 0.9f, 0.2f, 0.8f, 0.05f, 0.7f, 5};
+  CacheParams p = Elastic(0.5);
+  p.elastic_merge = false;
+  MergePlan plan = PlanElasticMerge(importance, p);
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 4, 6, 8, 9}));
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, -1, -1, -1, 1, -1, 2, -1, 3, 4}));
+  EXPECT_EQ(plan.merged, 0);
+  EXPECT_EQ(plan.dropped, 5);
+}
+
 TEST(ElasticMerge, TiesInImportancePreferTheEarlierPosition) {
   const std::vector<float> importance(8, 1.0f);                 // all equal
   MergePlan plan = PlanElasticMerge(importance, Elastic(0.5));  // K = 4: {0, 7} + 2 anchors

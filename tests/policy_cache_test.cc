@@ -39,6 +39,30 @@ TEST(MergeRows, AveragesEachBucket) {
   }
 }
 
+// Elastic's importance on a hand-made prefill: every query attends only to itself, so each
+// position's column sum is 1 (ties: the plain sum keeps the earliest anchors) while its mean
+// over the T - n queries that can see it grows toward the end of the prompt.
+TEST(ElasticImportance, MeanRemovesTheEarlyPositionBias) {
+  const int64_t t = 10;
+  KvLayout layout;
+  layout.num_layers = 1;
+  layout.kv_heads = 1;
+  layout.head_dim = 2;
+  layout.dtype_bytes = 4;
+  for (bool mean : {false, true}) {
+    CacheParams p = Params(CachePolicy::kElastic, 0.5, 25, 1);  // K = 5, protected {0, 9}
+    p.elastic_mean_importance = mean;
+    auto cache = NewPolicyKvCache(layout, p);
+    ASSERT_TRUE(cache->WantsAttentionProbs(0));
+    cache->Append(0, at::zeros({1, t, 2}), at::zeros({1, t, 2}));
+    cache->ObserveAttention(0, at::eye(t).unsqueeze(0));  // [H = 1, t, t]
+    cache->OnForwardDone(t);
+    const std::vector<int64_t> expected =
+        mean ? std::vector<int64_t>{0, 6, 7, 8, 9} : std::vector<int64_t>{0, 1, 2, 3, 9};
+    EXPECT_EQ(cache->Positions(0), expected) << "mean importance: " << mean;
+  }
+}
+
 class PolicyCacheTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {

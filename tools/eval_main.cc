@@ -201,7 +201,10 @@ int main(int argc, char** argv) {
   int max_tokens = 64, threads = 0, limit = 0, recent_distance = 25;
   app.add_option("--model", model_dir, "llava-hf model folder")->capture_default_str();
   app.add_option("--dataset", dataset, "JSONL dataset")->required();
-  app.add_option("--policies", policies, "policies to sweep")
+  app.add_option("--policies", policies,
+                 "policies to sweep; ablations: elastic_drop (Elastic's anchors, the other "
+                 "prompt entries dropped instead of merged), elastic_mean (importance = mean "
+                 "instead of summed attention)")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--budgets", budgets, "budgets to sweep")->delimiter(',')->capture_default_str();
@@ -228,15 +231,21 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::vector<CachePolicy> parsed;
-  for (const auto& p : policies) {
-    auto pp = llava::ParseCachePolicy(p);
+  // Ablations of Elastic (not in the API): elastic_drop drops instead of merging,
+  // elastic_mean scores positions by mean instead of summed attention.
+  std::vector<bool> merge, mean_importance;
+  for (auto& p : policies) {
+    const bool drop = p == "elastic_drop", mean = p == "elastic_mean";
+    auto pp = llava::ParseCachePolicy(drop || mean ? "elastic" : p);
     if (!pp.ok()) {
       std::fprintf(stderr, "error: %s\n", pp.status().ToString().c_str());
       return 1;
     }
     parsed.push_back(*pp);
+    merge.push_back(!drop);
+    mean_importance.push_back(mean);
+    if (!drop && !mean) p = llava::CachePolicyName(*pp);
   }
-  for (size_t i = 0; i < parsed.size(); ++i) policies[i] = llava::CachePolicyName(parsed[i]);
   llava::Generator gen(**loaded, llava::EngineLimits{});
   std::map<std::pair<std::string, double>, Cell> cells;
   std::vector<std::pair<std::string, double>> order;
@@ -258,6 +267,8 @@ int main(int argc, char** argv) {
         kv.policy = parsed[pi];
         kv.budget = budget;
         kv.recent_distance = recent_distance;
+        kv.elastic_merge = merge[pi];
+        kv.elastic_mean_importance = mean_importance[pi];
         s.request.kv_cache = kv;
         auto score = gen.ScoreAnswer(s.request, s.answer);
         auto answer = gen.Generate(s.request, nullptr);
@@ -266,7 +277,7 @@ int main(int argc, char** argv) {
                        (score.ok() ? answer.status() : score.status()).ToString().c_str());
           return 1;
         }
-        const auto key = std::make_pair(std::string(llava::CachePolicyName(parsed[pi])), budget);
+        const auto key = std::make_pair(policies[pi], budget);
         if (!cells.count(key)) order.push_back(key);
         Cell& c = cells[key];
         c.nll += score->nll_sum;
