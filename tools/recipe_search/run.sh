@@ -11,8 +11,9 @@
 #   cp models/shapes-llava/tokenizer.model DIR/
 #   gzip DIR/train/conversations.jsonl
 # SET=1: the first sweep (recipe changes, 390 s each); SET=2: learning rates (150 s each);
-# SET=3 (not run yet): at the new learning rate, what limits shape recognition (image size,
-# patch size, vision width), a 2-layer decoder, and how far a long schedule gets.
+# SET=3 (not run yet): at the new learning rate, more question training (description
+# probability 0.3, 0.15), how far a long schedule gets, a 2-layer decoder, batch 32, and
+# perception controls (image size, patch size).
 cd "$(dirname "$0")"
 SET=${SET:-1}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 RESULTS=${RESULTS:-${OUT:-/tmp}/results.log}
@@ -32,7 +33,7 @@ elif [ "$SET" = 3 ]; then
   v lr3long steps=30000 &
   v img128 img=128 &
   v patch6 patch=6 &
-  v vis256 v_hidden=256 v_heads=8 &
+  v desc015 desc_prob=0.15 &
   v t2 t_layers=2 &
   v b32 batch=32 steps=2500 &
   v desc03 desc_prob=0.3 &
