@@ -19,7 +19,10 @@ PACKAGES=(
   gnuplot-nox                         # llava-eval's plots
   prometheus                          # promtool: checks the /metrics exposition and deploy/ in tests
   python3-yaml                        # tests/deploy_test.py reads the Kubernetes manifests
+  nodejs                              # tests/deploy_schema: Kubernetes API schema validation
 )
+# Debian's npm, unless a nodejs that bundles its own (NodeSource's) is installed already.
+command -v npm > /dev/null 2>&1 || PACKAGES+=(npm)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -28,11 +31,22 @@ done
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PACKAGES[@]} packages present"
-  exit 0
+else
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "install-deps: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-SUDO=""
-[ "$(id -u)" -eq 0 ] || SUDO="sudo"
-echo "install-deps: installing ${missing[*]}"
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# The npm packages of tests/deploy_schema (versions pinned by its package-lock.json), from the
+# npm registry, once.
+schema_dir="$(cd "$(dirname "$0")/.." && pwd)/tests/deploy_schema"
+if [ ! -d "$schema_dir/node_modules/kubernetes-models" ]; then
+  echo "install-deps: npm ci in tests/deploy_schema"
+  for attempt in 1 2 3; do
+    npm ci --prefix "$schema_dir" --no-audit --no-fund --loglevel=error && break
+    [ "$attempt" -eq 3 ] && exit 1
+    sleep 5
+  done
+fi

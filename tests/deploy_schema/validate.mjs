@@ -1,0 +1,57 @@
+// Validates every object in deploy/kubernetes against the Kubernetes API's OpenAPI schemas
+// (kubernetes-models; the PodMonitor against the Prometheus Operator's CRD schema): types,
+// enums, formats and required fields. Unknown fields are not caught (the schemas allow them);
+// tests/deploy_test.py checks the names that matter. Kustomize's own file has no schema.
+// Then it breaks one field on purpose and checks that the validator notices.
+//   node tests/deploy_schema/validate.mjs deploy/kubernetes
+import fs from 'fs';
+import path from 'path';
+import YAML from 'yaml';
+
+async function modelFor(apiVersion, kind) {
+  const mod = apiVersion.startsWith('monitoring.coreos.com/')
+    ? await import(`@kubernetes-models/prometheus-operator/${apiVersion}`)
+    : await import(`kubernetes-models/${apiVersion}`);
+  if (!mod[kind]) throw new Error(`no schema for ${apiVersion} ${kind}`);
+  return mod[kind];
+}
+
+const dir = process.argv[2];
+let failures = 0, checked = 0, deployment = null;
+for (const file of fs.readdirSync(dir).filter((f) => f.endsWith('.yaml')).sort()) {
+  for (const doc of YAML.parseAllDocuments(fs.readFileSync(path.join(dir, file), 'utf8'))) {
+    const obj = doc.toJSON();
+    if (!obj) continue;
+    const what = `${file}: ${obj.apiVersion} ${obj.kind} ${obj.metadata?.name ?? ''}`;
+    if (obj.apiVersion === 'kustomize.config.k8s.io/v1beta1') continue;
+    try {
+      const Model = await modelFor(obj.apiVersion, obj.kind);
+      new Model(obj).validate();
+      ++checked;
+      console.log(`valid   ${what}`);
+      if (obj.kind === 'Deployment') deployment = { Model, obj };
+    } catch (e) {
+      ++failures;
+      console.log(`INVALID ${what}: ${e.message}`);
+    }
+  }
+}
+if (!deployment) {
+  console.log('no Deployment found');
+  process.exit(1);
+}
+// The validator must reject a broken object, or the checks above prove nothing.
+const broken = structuredClone(deployment.obj);
+broken.spec.template.spec.containers[0].ports[0].containerPort = 'grpc';
+let caught = false;
+try {
+  new deployment.Model(broken).validate();
+} catch (e) {
+  caught = true;
+}
+if (!caught) {
+  console.log('the validator accepted a string containerPort');
+  ++failures;
+}
+console.log(`${checked} objects valid, ${failures} failures`);
+process.exit(failures === 0 && checked > 0 ? 0 : 1);
