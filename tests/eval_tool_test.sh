@@ -5,7 +5,7 @@ set -euo pipefail
 eval_bin=$1 model=$2 dataset=$3 out=$4
 rm -rf "$out"
 "$eval_bin" --model "$model" --dataset "$dataset" --out "$out" --budgets 1.0,0.5,0.2 \
-  --max-tokens 8 --dtype f32 --threads 2 > "$out.stdout"
+  --max-tokens 8 --dtype f32 --threads 2 --items "$out.items.jsonl" > "$out.stdout"
 cat "$out.stdout"
 csv="$out/results.csv"
 test -s "$out/results.json"
@@ -17,6 +17,17 @@ awk -F, -v ppl="$full_ppl" 'NR>1 && $2=="1.00" {
     if ($5 != "1.0000") { print "budget 1 ROUGE-L is not 1: " $0; bad=1 } }
   NR>1 && $2!="1.00" && $8 >= 1.0 { print "compressed run kept all bytes: " $0; bad=1 }
   END { exit bad }' "$csv"
+# --items: one line per sample and (policy, budget), and Full's answers score like the table.
+items=$(wc -l < "$out.items.jsonl")
+[ "$items" -eq $((rows * 3)) ] || { echo "expected $((rows * 3)) item lines, got $items"; exit 1; }
+python3 - "$out.items.jsonl" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+assert {l["policy"] for l in lines} == {"full", "elastic", "h2o", "streaming_llm"}, lines[0]
+assert all(set(l) == {"sample", "policy", "budget", "kind", "prompt", "reference", "answer",
+                      "score"} for l in lines)
+assert sorted({l["sample"] for l in lines}) == [0, 1, 2]
+PY
 if command -v gnuplot > /dev/null; then
   test -s "$out/ppl_vs_budget.png" && test -s "$out/rouge_vs_budget.png" && \
     test -s "$out/accuracy_vs_budget.png" && test -s "$out/rouge_ref_vs_budget.png"

@@ -37,7 +37,8 @@ using llava::ContentPart;
 struct Sample {
   llava::GenerationRequest request;
   std::string answer, short_answer;
-  std::string kind;  // optional "kind" field: accuracy is also reported per kind
+  std::string kind;    // optional "kind" field: accuracy is also reported per kind
+  std::string prompt;  // the last question, for --items
 };
 
 llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int limit) {
@@ -61,6 +62,7 @@ llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int li
     if (j.contains("short_answer") && j["short_answer"].is_string())
       s.short_answer = j["short_answer"];
     if (j.contains("kind") && j["kind"].is_string()) s.kind = j["kind"];
+    if (j.contains("prompt") && j["prompt"].is_string()) s.prompt = j["prompt"];
     std::vector<std::string> images;
     if (j.contains("image") && j["image"].is_string()) images.push_back(j["image"]);
     if (j.contains("images") && j["images"].is_array()) {
@@ -213,6 +215,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--limit", limit, "use only the first N samples (0 = all)");
   app.add_option("--out", out, "output folder")->capture_default_str();
+  std::string items_path;
+  app.add_option("--items", items_path,
+                 "also write every answer as JSON lines (sample, policy, budget, kind, prompt, "
+                 "reference, answer, score) to this file");
   app.add_option("--dtype", dtype, "bf16 | f32")->check(CLI::IsMember({"bf16", "f32"}));
   app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
   CLI11_PARSE(app, argc, argv);
@@ -249,6 +255,7 @@ int main(int argc, char** argv) {
   llava::Generator gen(**loaded, llava::EngineLimits{});
   std::map<std::pair<std::string, double>, Cell> cells;
   std::vector<std::pair<std::string, double>> order;
+  std::vector<std::string> item_lines;
 
   for (size_t si = 0; si < samples->size(); ++si) {
     Sample& s = (*samples)[si];
@@ -302,6 +309,17 @@ int main(int argc, char** argv) {
           c.by_kind[s.kind].first += item;
           ++c.by_kind[s.kind].second;
         }
+        if (!items_path.empty()) {
+          item_lines.push_back(nlohmann::ordered_json{
+              {"sample", si},
+              {"policy", policies[pi]},
+              {"budget", budget},
+              {"kind", s.kind},
+              {"prompt", s.prompt},
+              {"reference", s.short_answer.empty() ? s.answer : s.short_answer},
+              {"answer", answer->text},
+              {"score", item}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+        }
       }
     }
     std::fprintf(stderr, "\rsample %zu/%zu", si + 1, samples->size());
@@ -309,6 +327,14 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "\n");
 
   if (std::system(("mkdir -p '" + out + "'").c_str()) != 0) return 1;
+  if (!items_path.empty()) {
+    std::ofstream items(items_path);
+    for (const auto& line : item_lines) items << line << "\n";
+    if (!items) {
+      std::fprintf(stderr, "error: cannot write %s\n", items_path.c_str());
+      return 1;
+    }
+  }
   std::ofstream csv(out + "/results.csv");
   csv << "policy,budget,samples,ppl,rouge_l,accuracy,rouge_l_ref,kv_bytes_ratio,prefill_ms,"
          "decode_ms_per_token\n";
