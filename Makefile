@@ -18,6 +18,7 @@ build: deps
 	cmake --build $(BUILD) -j$(JOBS)
 
 test: build
+	@bash scripts/install-deps.sh --tests
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 
 # The gRPC service with the default model (gRPC :50051, metrics :9090). Ctrl-C drains and stops.

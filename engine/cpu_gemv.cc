@@ -8,13 +8,6 @@
 namespace llava {
 namespace {
 
-inline float Bf16ToFloat(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 inline uint16_t FloatToBf16(float f) {  // round to nearest even (NaN stays NaN)
   uint32_t u;
   std::memcpy(&u, &f, 4);

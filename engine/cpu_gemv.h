@@ -6,10 +6,19 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace llava {
 
 constexpr int kGemvMaxRows = 8;
+
+// The float a bf16 bit pattern stands for (exact).
+inline float Bf16ToFloat(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // True when the CPU supports AVX512-BF16 (checked once).
 bool CpuHasBf16Gemv();

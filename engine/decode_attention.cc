@@ -5,19 +5,15 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <cstring>
 #include <limits>
+
+#include "engine/cpu_gemv.h"
 
 namespace llava {
 namespace {
 
 inline float ToFloat(float x) { return x; }
-inline float ToFloat(uint16_t bf16) {
-  const uint32_t u = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float ToFloat(uint16_t bf16) { return Bf16ToFloat(bf16); }
 
 constexpr int64_t kMaxHeadDim = 256;
 

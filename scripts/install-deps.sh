@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the build, the tests and `make serve` need on a fresh Debian 12.
 # Idempotent: packages already present are skipped by apt-get; safe to run repeatedly.
+# usage: install-deps.sh [--tests]
 set -euo pipefail
 
 PACKAGES=(
@@ -39,8 +40,9 @@ else
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# The npm packages of tests/deploy_schema (versions pinned by its package-lock.json), from the
-# npm registry, once.
+# With --tests (make test): also the npm packages of tests/deploy_schema (versions pinned by
+# its package-lock.json), from the npm registry, once. The service itself needs none.
+[ "${1:-}" = "--tests" ] || exit 0
 schema_dir="$(cd "$(dirname "$0")/.." && pwd)/tests/deploy_schema"
 if [ ! -d "$schema_dir/node_modules/kubernetes-models" ]; then
   echo "install-deps: npm ci in tests/deploy_schema"

@@ -133,9 +133,9 @@ class CpuAutocast {
 };
 
 // 2-D sin-cos patch positions (as in MAE) for the learned CLIP position embedding, scaled to
-// `rms` per element; the class token's row is zero. With N(0, 0.02) the positions are ~20x
-// weaker than the patch contents after the pre-layernorm, and the first model never learnt
-// where objects are (docs/TRAINING.md).
+// `rms` per element; the class token's row is zero. The checkpoint writer's N(0, 0.2) positions
+// are ~2.5x weaker than the patch contents (RMS ~0.5 with N(0, 0.02) patch weights), and the
+// first model never learnt where objects are (docs/TRAINING.md).
 at::Tensor SinCosPositions(const llava::VisionConfig& v, double rms) {
   const int64_t grid = v.image_size / v.patch_size, d = v.hidden_size, quarter = d / 4;
   at::Tensor out = at::zeros({grid * grid + 1, d});
@@ -205,7 +205,7 @@ int main(int argc, char** argv) {
   app.add_option("--embed-std", embed_std, "initial token-embedding std")->capture_default_str();
   app.add_option("--patch-std", patch_std, "initial patch-embedding std")->capture_default_str();
   app.add_option("--pos-rms", pos_rms,
-                 "RMS of the 2-D sin-cos initial patch position embedding (0 = N(0, 0.02))")
+                 "RMS of the 2-D sin-cos initial patch position embedding (0 = N(0, 0.2))")
       ->capture_default_str();
   app.add_option("--describe-prob", describe_prob,
                  "probability that a training conversation is the description alone")

@@ -153,7 +153,7 @@ try:
             if 'embed_tokens' in n or 'patch_embedding' in n: p.normal_(0, 0.02)
             elif 'position_embedding' in n:
                 if pos_rms > 0: p.copy_(sincos(S // PATCH, p.shape[1], pos_rms))
-                else: p.normal_(0, 0.02)
+                else: p.normal_(0, 0.2)  # RandomLlavaWeights' positions
             elif 'class_embedding' in n: p.normal_(0, 0.5)
             elif p.dim() >= 2: p.normal_(0, 0.02)
             elif 'norm' in n and n.endswith('weight'): p.copy_(1 + 0.1 * torch.randn_like(p))
