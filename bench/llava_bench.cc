@@ -8,12 +8,15 @@
 // model: how decode scales with the batch when per-sequence work, not weights, dominates).
 // The last line is `key=value` pairs for scripts.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 
+#include "engine/cpu_gemv.h"
 #include "engine/generator.h"
 #include "engine/kv_cache.h"
 #include "engine/llava_model.h"
@@ -189,6 +192,95 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
 
 }  // namespace
 
+// kIters x kAcc independent AVX512-BF16 dot products (vdpbf16ps: 32 multiply-adds each) on
+// registers only, no memory traffic.
+constexpr int kPeakAcc = 16;  // enough independent chains to cover the instruction latency
+constexpr int64_t kPeakIters = 1 << 24;
+__attribute__((target("avx512f,avx512bf16"))) float Bf16DotLoop() {
+  __m512 acc[kPeakAcc];
+  for (int a = 0; a < kPeakAcc; ++a) acc[a] = _mm512_set1_ps(0.f);
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3F80);  // 1.0
+  const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3C00);  // 2^-7
+  for (int64_t i = 0; i < kPeakIters; ++i) {
+#pragma GCC unroll 16
+    for (int a = 0; a < kPeakAcc; ++a) acc[a] = _mm512_dpbf16_ps(acc[a], x, y);
+  }
+  float s = 0;
+  for (int a = 0; a < kPeakAcc; ++a) s += _mm512_cvtss_f32(acc[a]);
+  return s;
+}
+
+// The CPU's bf16 arithmetic peak in GFLOP/s on `threads` threads. No GEMM can beat it, and it
+// bounds prefill, which is compute-bound.
+double Bf16PeakGflops(int threads) {
+  std::vector<float> sink(threads);
+  const auto t0 = Clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) sink[t] = Bf16DotLoop();
+  });
+  const double seconds = Seconds(t0);
+  volatile float keep = sink[0];
+  (void)keep;
+  return 64.0 * kPeakAcc * kPeakIters * threads / seconds / 1e9;
+}
+
+// GFLOP/s of one bf16 matrix product y = x W^T, [m, k] x [n, k]: libtorch's at::linear
+// (oneDNN) against llava::Linear (engine/cpu_gemv.h on an AVX512-BF16 CPU). Medians of reps.
+void MatmulSuite(int reps, int threads) {
+  if (llava::CpuHasBf16Gemv()) {
+    std::vector<double> one, all;
+    for (int r = 0; r < 3; ++r) {
+      one.push_back(Bf16PeakGflops(1));
+      all.push_back(Bf16PeakGflops(threads));
+    }
+    std::printf("suite=matmul bf16_peak_gflops_1_thread=%.1f bf16_peak_gflops_%d_threads=%.1f\n",
+                Median(one), threads, Median(all));
+  }
+  struct Shape {
+    const char* name;
+    int64_t m, n, k;
+  };
+  const Shape shapes[] = {
+      // the default model's prefill: 159-token prompt (decoder), 144 patches (vision tower)
+      {"small.qkv", 159, 512, 256},
+      {"small.o", 159, 256, 256},
+      {"small.gate_up", 159, 1376, 256},
+      {"small.down", 159, 256, 688},
+      {"vit.qkv", 144, 576, 192},
+      {"vit.fc1", 144, 768, 192},
+      {"vit.fc2", 144, 192, 768},
+      {"small.decode8", 8, 1376, 256},
+      // LLaVA-1.5-7B's decoder, 512-token prefill
+      {"7b.qkv", 512, 12288, 4096},
+      {"7b.o", 512, 4096, 4096},
+      {"7b.gate_up", 512, 22016, 4096},
+      {"7b.down", 512, 4096, 11008},
+  };
+  for (const Shape& sh : shapes) {
+    at::Tensor x = at::randn({sh.m, sh.k}).to(at::kBFloat16);
+    llava::Linear lin{(at::randn({sh.n, sh.k}) * 0.05).to(at::kBFloat16), at::Tensor()};
+    const double flop = 2.0 * sh.m * sh.n * sh.k;
+    const int inner = std::max<int64_t>(1, static_cast<int64_t>(2e9 / flop));
+    auto time = [&](auto&& f) {
+      std::vector<double> runs;
+      f();  // warm-up
+      for (int r = 0; r < reps; ++r) {
+        const auto t0 = Clock::now();
+        for (int i = 0; i < inner; ++i) f();
+        runs.push_back(flop * inner / Seconds(t0) / 1e9);
+      }
+      return Median(runs);
+    };
+    const double onednn = time([&] { (void)at::linear(x, lin.weight); });
+    const double ours = time([&] { (void)lin(x); });
+    std::printf(
+        "suite=matmul shape=%s m=%lld n=%lld k=%lld at_linear_gflops=%.1f "
+        "linear_gflops=%.1f ratio=%.2f\n",
+        sh.name, static_cast<long long>(sh.m), static_cast<long long>(sh.n),
+        static_cast<long long>(sh.k), onednn, ours, ours / onednn);
+  }
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"Decoder benchmark at LLaVA-1.5-7B layer shapes (random bf16 weights)"};
   int layers = 4, threads = 0, prompt = 512, reps = 5, steps = 16, context = 64;
@@ -204,13 +296,19 @@ int main(int argc, char** argv) {
   std::string suite = "decoder", model_dir;
   app.add_option("--model", model_dir,
                  "a llava-hf folder to measure (bf16) instead of random 7B-shape layers");
-  app.add_option("--suite", suite, "decoder (issue 2 numbers) | policies (Elastic vs Full)")
-      ->check(CLI::IsMember({"decoder", "policies"}))
+  app.add_option("--suite", suite,
+                 "decoder (issue 2 numbers) | policies (Elastic vs Full) | matmul (bf16 GEMM "
+                 "kernels at prefill shapes)")
+      ->check(CLI::IsMember({"decoder", "policies", "matmul"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   threads = llava::InitTorchThreads(threads);
   at::manual_seed(0);
 
+  if (suite == "matmul") {
+    MatmulSuite(std::max(3, reps), threads);
+    return 0;
+  }
   const double bandwidth = MeasureReadBandwidth(int64_t{1} << 30);
   std::printf("threads=%d read_bandwidth=%.1f GB/s\n", threads, bandwidth / 1e9);
 

@@ -3,7 +3,10 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
+
+#include "engine/avx512_reduce.h"
 
 namespace llava {
 namespace {
@@ -17,55 +20,90 @@ inline uint16_t FloatToBf16(float f) {  // round to nearest even (NaN stays NaN)
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Rows [n0, n1) of W against all M rows of x, R weight rows at a time: R x M accumulators
-// (R * M <= 24 of the 32 zmm registers), each k step loads R weight vectors and M x vectors.
+// Outputs [r0, r0 + R) of M rows of x: R x M accumulators (R * M <= 24 of the 32 zmm
+// registers), each k step loads R weight vectors and M x vectors.
 template <int M, int R>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void GemvRows(
-    const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n, int64_t k,
-    int64_t n0, int64_t n1) {
-  int64_t r0 = n0;
-  for (; r0 + R <= n1; r0 += R) {
-    // Full unrolling keeps `acc` in registers (checked in the disassembly; a packed-GEMM
-    // prototype without the pragmas spilled every accumulator on every k step).
-    __m512 acc[R][M];
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void Tile(const uint16_t* x,
+                                                                        const uint16_t* w,
+                                                                        const uint16_t* bias,
+                                                                        uint16_t* y, int64_t n,
+                                                                        int64_t k, int64_t r0) {
+  // Full unrolling keeps `acc` in registers (checked in the disassembly; a packed-GEMM
+  // prototype without the pragmas spilled every accumulator on every k step).
+  __m512 acc[R][M];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+  }
+  const uint16_t* wr = w + r0 * k;
+  int64_t kk = 0;
+  for (; kk + 32 <= k; kk += 32) {
+    __m512bh wv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+      _mm_prefetch(reinterpret_cast<const char*>(wr + r * k + kk + 512), _MM_HINT_T0);
+      wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * k + kk);
     }
-    const uint16_t* wr = w + r0 * k;
-    for (int64_t kk = 0; kk < k; kk += 32) {
-      __m512bh wv[R];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + r * k + kk + 512), _MM_HINT_T0);
-        wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * k + kk);
-      }
+    for (int i = 0; i < M; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * k + kk);
 #pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * k + kk);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const float b = bias != nullptr ? Bf16ToFloat(bias[r0 + r]) : 0.f;
-      for (int i = 0; i < M; ++i)
-        y[i * n + r0 + r] = FloatToBf16(_mm512_reduce_add_ps(acc[r][i]) + b);
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[r]);
     }
   }
-  if constexpr (R > 1) {
-    if (r0 < n1) GemvRows<M, 1>(x, w, bias, y, n, k, r0, n1);
+  if (kk < k) {  // the last k % 32 columns, zero-filled on both sides
+    const __mmask32 tail = (__mmask32{1} << (k - kk)) - 1;
+    __m512bh wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + r * k + kk);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + i * k + kk);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[r]);
+    }
+  }
+  // The R * M horizontal sums, 16 at a time where there are enough of them (SumEach16).
+  constexpr int T = R * M;
+  alignas(64) float sum[(T + 15) / 16 * 16];
+  if constexpr (T >= 6) {
+#pragma GCC unroll 2
+    for (int t0 = 0; t0 < T; t0 += 16) {
+      __m512 v[16];
+#pragma GCC unroll 16
+      for (int l = 0; l < 16; ++l) {
+        v[kSumSlot[l]] = t0 + l < T ? acc[(t0 + l) / M][(t0 + l) % M] : _mm512_setzero_ps();
+      }
+      _mm512_store_ps(sum + t0, SumEach16(v));
+    }
+  } else {
+    for (int t = 0; t < T; ++t) sum[t] = SumLanes(acc[t / M][t % M]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const float b = bias != nullptr ? Bf16ToFloat(bias[r0 + r]) : 0.f;
+    for (int i = 0; i < M; ++i) y[i * n + r0 + r] = FloatToBf16(sum[r * M + i] + b);
   }
 }
 
+// Outputs [n0, n1) for all rows at once, as many weight rows per tile as
+// the registers allow, so each weight row is streamed from memory once.
 template <int M>
-void GemvM(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n,
-           int64_t k) {
+void SkinnyRows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n,
+                int64_t k, int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 8 : M == 2 ? 6 : M <= 4 ? 4 : 3;
+  int64_t r0 = n0;
+  for (; r0 + R <= n1; r0 += R) Tile<M, R>(x, w, bias, y, n, k, r0);
+  for (; r0 < n1; ++r0) Tile<M, 1>(x, w, bias, y, n, k, r0);
+}
+
+template <int M>
+void Skinny(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n,
+            int64_t k) {
   constexpr int R = M == 1 ? 8 : M == 2 ? 6 : M <= 4 ? 4 : 3;
   const int64_t blocks = (n + R - 1) / R;
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    GemvRows<M, R>(x, w, bias, y, n, k, b0 * R, std::min(n, b1 * R));
+    SkinnyRows<M>(x, w, bias, y, n, k, b0 * R, std::min(n, b1 * R));
   });
 }
 
@@ -81,23 +119,21 @@ void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16
               int64_t n, int64_t k) {
   switch (m) {
     case 1:
-      return GemvM<1>(x, w, bias, y, n, k);
+      return Skinny<1>(x, w, bias, y, n, k);
     case 2:
-      return GemvM<2>(x, w, bias, y, n, k);
+      return Skinny<2>(x, w, bias, y, n, k);
     case 3:
-      return GemvM<3>(x, w, bias, y, n, k);
+      return Skinny<3>(x, w, bias, y, n, k);
     case 4:
-      return GemvM<4>(x, w, bias, y, n, k);
+      return Skinny<4>(x, w, bias, y, n, k);
     case 5:
-      return GemvM<5>(x, w, bias, y, n, k);
+      return Skinny<5>(x, w, bias, y, n, k);
     case 6:
-      return GemvM<6>(x, w, bias, y, n, k);
+      return Skinny<6>(x, w, bias, y, n, k);
     case 7:
-      return GemvM<7>(x, w, bias, y, n, k);
-    case 8:
-      return GemvM<8>(x, w, bias, y, n, k);
+      return Skinny<7>(x, w, bias, y, n, k);
     default:
-      break;
+      return Skinny<8>(x, w, bias, y, n, k);
   }
 }
 

@@ -4,9 +4,11 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
+#include "engine/avx512_reduce.h"
 #include "engine/cpu_gemv.h"
 
 namespace llava {
@@ -78,9 +80,13 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void GroupBf16(
   Group(q, g, k, ks, v, vs, len, hd, scale, p, out);
 }
 
-// The same computation with AVX-512 intrinsics for head sizes that are a multiple of 16 (64 and
-// 128 in LLaMA models): GCC's vectorisation of the loops above ends every dot product with 16
-// dependent scalar adds, which made them the largest single cost of a decode step.
+// The same computation with AVX-512 intrinsics for head sizes 16, 32, ..., 128 (64 and 128 in
+// LLaMA models). GCC's vectorisation of the loops above ends every dot product with 16 dependent
+// scalar adds; a first intrinsics version still paid one horizontal add per (row, head) and kept
+// the output accumulators in memory. This one works on blocks of 16 cache rows: the block is
+// converted to fp32 once into an L1-resident buffer for all heads of the group, the 16 dot
+// products of a head are reduced together (SumEach16), and the weighted sum of values keeps its
+// accumulators in registers for the whole block.
 __attribute__((target("avx512f"))) inline __m512 Load16(const float* p) {
   return _mm512_loadu_ps(p);
 }
@@ -90,37 +96,148 @@ __attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-template <typename KV>
-__attribute__((target("avx512f"))) void GroupAvx512(const float* q, int64_t g, const KV* k,
-                                                    int64_t k_stride, const KV* v, int64_t v_stride,
-                                                    int64_t len, int64_t hd, float scale, float* p,
-                                                    float* out) {
-  const int64_t chunks = hd / 16;  // <= kMaxHeadDim / 16
-  __m512 row[kMaxHeadDim / 16];
-  for (int64_t j = 0; j < len; ++j) {
-    const KV* kj = k + j * k_stride;
-    for (int64_t c = 0; c < chunks; ++c) row[c] = Load16(kj + 16 * c);
-    for (int64_t i = 0; i < g; ++i) {
-      const float* qi = q + i * hd;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), row[0]);
-      for (int64_t c = 1; c < chunks; ++c) {
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), row[c], acc);
-      }
-      p[i * len + j] = _mm512_reduce_add_ps(acc) * scale;
+// exp(x) for x <= 0 (softmax after subtracting the maximum): x = n ln2 + r with |r| <= ln2 / 2,
+// e^r by its Taylor series to r^7 (relative error < 1e-8 on that range), times 2^n.
+__attribute__((target("avx512f"))) inline __m512 ExpNonPositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  // e^-103 is below the smallest denormal
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);       // ln2, the rest
+  __m512 e = _mm512_set1_ps(1.f / 5040);
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 720));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(e, n);
+}
+
+__attribute__((target("avx512f"))) void SoftmaxRowsAvx512(float* p, int64_t rows, int64_t len) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < rows; ++i) {
+    float* pi = p + i * len;
+    __m512 vmax = neg_inf;
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, m, pi + j));
+    }
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+      const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pi + j), max));
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+      _mm512_mask_storeu_ps(pi + j, m, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / SumLanes(vsum));
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+      _mm512_mask_storeu_ps(pi + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pi + j), inv));
     }
   }
-  SoftmaxRows(p, g, len);
-  for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
-  for (int64_t j = 0; j < len; ++j) {
-    const KV* vj = v + j * v_stride;
-    for (int64_t c = 0; c < chunks; ++c) row[c] = Load16(vj + 16 * c);
+}
+
+// nb rows of a cache head converted to fp32 into buf [nb, 16 * CH]. The rows of the next block
+// are prefetched: a decode step reads every cache once, from L3 or memory, in runs too short
+// for the hardware prefetcher to get ahead.
+template <int CH, typename KV>
+__attribute__((target("avx512f"))) inline void ConvertBlock(const KV* src, int64_t stride,
+                                                            int64_t nb, float* buf) {
+  constexpr int64_t kLine = 64 / sizeof(KV), kRowElems = 16 * CH;
+  for (int64_t r = 0; r < nb; ++r) {
+    for (int64_t e = 0; e < kRowElems; e += kLine) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + (r + 16) * stride + e), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < CH; ++c)
+      _mm512_store_ps(buf + r * 16 * CH + 16 * c, Load16(src + r * stride + 16 * c));
+  }
+}
+
+template <int CH, typename KV>
+__attribute__((target("avx512f"))) void GroupAvx512(const float* q, int64_t g, const KV* k,
+                                                    int64_t k_stride, const KV* v, int64_t v_stride,
+                                                    int64_t len, float scale, float* p,
+                                                    float* out) {
+  constexpr int64_t hd = 16 * CH;
+  alignas(64) float buf[16 * hd];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, len - j0);
+    ConvertBlock<CH>(k + j0 * k_stride, k_stride, nb, buf);
     for (int64_t i = 0; i < g; ++i) {
-      const __m512 pij = _mm512_set1_ps(p[i * len + j]);
-      float* oi = out + i * hd;
-      for (int64_t c = 0; c < chunks; ++c) {
-        _mm512_storeu_ps(oi + 16 * c, _mm512_fmadd_ps(pij, row[c], _mm512_loadu_ps(oi + 16 * c)));
+      __m512 qv[CH];
+#pragma GCC unroll 8
+      for (int c = 0; c < CH; ++c) qv[c] = _mm512_loadu_ps(q + i * hd + 16 * c);
+      __m512 dot[16];
+      if (nb == 16) {
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) {
+          __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(buf + r * hd));
+#pragma GCC unroll 8
+          for (int c = 1; c < CH; ++c)
+            acc = _mm512_fmadd_ps(qv[c], _mm512_load_ps(buf + r * hd + 16 * c), acc);
+          dot[kSumSlot[r]] = acc;
+        }
+        _mm512_storeu_ps(p + i * len + j0, _mm512_mul_ps(SumEach16(dot), vscale));
+      } else {
+        for (int64_t r = 0; r < nb; ++r) {
+          __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(buf + r * hd));
+#pragma GCC unroll 8
+          for (int c = 1; c < CH; ++c)
+            acc = _mm512_fmadd_ps(qv[c], _mm512_load_ps(buf + r * hd + 16 * c), acc);
+          p[i * len + j0 + r] = SumLanes(acc) * scale;
+        }
       }
     }
+  }
+  SoftmaxRowsAvx512(p, g, len);
+  for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, len - j0);
+    ConvertBlock<CH>(v + j0 * v_stride, v_stride, nb, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      float* oi = out + i * hd;
+      const float* pi = p + i * len + j0;
+      __m512 acc[CH];
+#pragma GCC unroll 8
+      for (int c = 0; c < CH; ++c) acc[c] = _mm512_loadu_ps(oi + 16 * c);
+      for (int64_t r = 0; r < nb; ++r) {
+        const __m512 pr = _mm512_set1_ps(pi[r]);
+#pragma GCC unroll 8
+        for (int c = 0; c < CH; ++c)
+          acc[c] = _mm512_fmadd_ps(pr, _mm512_load_ps(buf + r * hd + 16 * c), acc[c]);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(oi + 16 * c, acc[c]);
+    }
+  }
+}
+
+// GroupAvx512 for the head size, or false when it has no instance for it.
+template <typename KV>
+bool GroupAvx512ForHeadSize(int64_t hd, const float* q, int64_t g, const KV* k, int64_t ks,
+                            const KV* v, int64_t vs, int64_t len, float scale, float* p,
+                            float* out) {
+  switch (hd) {
+#define LLAVA_GROUP_CASE(CH)                                 \
+  case 16 * CH:                                              \
+    GroupAvx512<CH>(q, g, k, ks, v, vs, len, scale, p, out); \
+    return true;
+    LLAVA_GROUP_CASE(1)
+    LLAVA_GROUP_CASE(2)
+    LLAVA_GROUP_CASE(3)
+    LLAVA_GROUP_CASE(4)
+    LLAVA_GROUP_CASE(5)
+    LLAVA_GROUP_CASE(6)
+    LLAVA_GROUP_CASE(7)
+    LLAVA_GROUP_CASE(8)
+#undef LLAVA_GROUP_CASE
+    default:
+      return false;
   }
 }
 
@@ -178,22 +295,21 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
       const int64_t first = b * heads + kv * group;  // row of the group's first query head
       const float* qh = qp + first * hd;
       float* oh = op + first * hd;
-      const bool avx512 = use_avx512 && hd % 16 == 0;
-      if (k.scalar_type() == at::kFloat && avx512) {
-        GroupAvx512(qh, group, k.data_ptr<float>() + kv * k.stride(0), k.stride(1),
-                    v.data_ptr<float>() + kv * v.stride(0), v.stride(1), len, hd, scale, p, oh);
-      } else if (k.scalar_type() == at::kFloat) {
-        GroupF32(qh, group, k.data_ptr<float>() + kv * k.stride(0), k.stride(1),
-                 v.data_ptr<float>() + kv * v.stride(0), v.stride(1), len, hd, scale, p, oh);
+      if (k.scalar_type() == at::kFloat) {
+        const float* kf = k.data_ptr<float>() + kv * k.stride(0);
+        const float* vf = v.data_ptr<float>() + kv * v.stride(0);
+        if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, group, kf, k.stride(1), vf, v.stride(1),
+                                                   len, scale, p, oh)) {
+          GroupF32(qh, group, kf, k.stride(1), vf, v.stride(1), len, hd, scale, p, oh);
+        }
       } else {
-        const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-        const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-        if (avx512) {
-          GroupAvx512(qh, group, kp + kv * k.stride(0), k.stride(1), vp + kv * v.stride(0),
-                      v.stride(1), len, hd, scale, p, oh);
-        } else {
-          GroupBf16(qh, group, kp + kv * k.stride(0), k.stride(1), vp + kv * v.stride(0),
-                    v.stride(1), len, hd, scale, p, oh);
+        const auto* kb =
+            reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + kv * k.stride(0);
+        const auto* vb =
+            reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + kv * v.stride(0);
+        if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, group, kb, k.stride(1), vb, v.stride(1),
+                                                   len, scale, p, oh)) {
+          GroupBf16(qh, group, kb, k.stride(1), vb, v.stride(1), len, hd, scale, p, oh);
         }
       }
     }

@@ -66,9 +66,11 @@ bool Ignorable(const std::string& name, const LlavaConfig& c) {
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
   const int64_t k = weight.size(1), rows = x.numel() / std::max<int64_t>(k, 1);
+  // Not under autograd: the trainer's forward needs at::linear's backward.
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.is_cpu() &&
-      weight.is_cpu() && rows >= 1 && rows <= kGemvMaxRows && k % 32 == 0 &&
-      weight.is_contiguous() && (!bias.defined() || bias.scalar_type() == at::kBFloat16) &&
+      weight.is_cpu() && rows >= 1 && rows <= kGemvMaxRows && k >= 1 && weight.is_contiguous() &&
+      !x.requires_grad() && !weight.requires_grad() &&
+      (!bias.defined() || (bias.scalar_type() == at::kBFloat16 && !bias.requires_grad())) &&
       CpuHasBf16Gemv()) {
     at::Tensor xc = x.contiguous();
     std::vector<int64_t> shape = x.sizes().vec();

@@ -32,8 +32,9 @@ struct ModelOptions {
 struct Linear {
   at::Tensor weight;  // [out, in]
   at::Tensor bias;    // [out] or undefined
-  // x [.., in] -> [.., out]. Up to kGemvMaxRows bf16 rows on an AVX512-BF16 CPU take our
-  // weight-streaming kernel (cpu_gemv.h); everything else takes at::linear (oneDNN / BLAS).
+  // x [.., in] -> [.., out]. Up to kGemvMaxRows bf16 rows on an AVX512-BF16 CPU, outside
+  // autograd, take our weight-streaming kernel (cpu_gemv.h); everything else takes at::linear
+  // (oneDNN / BLAS).
   at::Tensor operator()(const at::Tensor& x) const;
 };
 

@@ -14,8 +14,10 @@ TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCount) {
   if (!CpuHasBf16Gemv()) GTEST_SKIP() << "CPU without AVX512-BF16: at::linear is used instead";
   InitTorchThreads(2);
   at::manual_seed(0);
+  // k not a multiple of 32 (688: the default model's FFN; 7) takes the masked tail.
   for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
-    for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{{37, 64}, {4099, 96}, {64, 4096}}) {
+    for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{
+             {37, 64}, {4099, 96}, {64, 4096}, {40, 688}, {5, 7}}) {
       at::Tensor x = at::randn({m, k}).to(at::kBFloat16);
       at::Tensor w = (at::randn({n, k}) * 0.1).to(at::kBFloat16);
       at::Tensor b = at::randn({n}).to(at::kBFloat16);
@@ -36,7 +38,7 @@ TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCount) {
   }
 }
 
-TEST(Bf16Gemv, LinearDispatchesSkinnyBf16AndFallsBackOtherwise) {
+TEST(Bf16Gemv, LinearDispatchesSkinnyBf16AndKeepsAutograd) {
   InitTorchThreads(2);
   at::manual_seed(1);
   Linear lin{(at::randn({48, 64}) * 0.1).to(at::kBFloat16), at::randn({48}).to(at::kBFloat16)};
@@ -51,6 +53,12 @@ TEST(Bf16Gemv, LinearDispatchesSkinnyBf16AndFallsBackOtherwise) {
               ref.abs().max().item<double>() / 64)
         << rows;
   }
+  // Under autograd (the trainer) the product must stay differentiable: at::linear.
+  Linear trained{lin.weight.clone().requires_grad_(true), lin.bias};
+  at::Tensor y = trained(at::randn({2, 64}).to(at::kBFloat16));
+  ASSERT_TRUE(y.requires_grad());
+  y.to(at::kFloat).sum().backward();
+  ASSERT_TRUE(trained.weight.grad().defined());
 }
 
 }  // namespace
