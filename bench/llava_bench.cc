@@ -250,6 +250,8 @@ void MatmulSuite(int reps, int threads) {
       {"vit.fc1", 144, 768, 192},
       {"vit.fc2", 144, 192, 768},
       {"small.decode8", 8, 1376, 256},
+      {"small.decode16", 16, 1376, 256},
+      {"small.decode32", 32, 1376, 256},
       // LLaVA-1.5-7B's decoder, 512-token prefill
       {"7b.qkv", 512, 12288, 4096},
       {"7b.o", 512, 4096, 4096},

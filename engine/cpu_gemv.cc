@@ -11,15 +11,6 @@
 namespace llava {
 namespace {
 
-inline uint16_t FloatToBf16(float f) {  // round to nearest even (NaN stays NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu))
-    return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // Outputs [r0, r0 + R) of M rows of x: R x M accumulators (R * M <= 24 of the 32 zmm
 // registers), each k step loads R weight vectors and M x vectors.
 template <int M, int R>
@@ -64,9 +55,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void Tile(const ui
       for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[r]);
     }
   }
-  // The R * M horizontal sums, 16 at a time where there are enough of them (SumEach16).
-  constexpr int T = R * M;
-  alignas(64) float sum[(T + 15) / 16 * 16];
+  // The R * M horizontal sums, 16 at a time where there are enough of them (SumEach16), then
+  // + bias and the bf16 rounding (vcvtneps2bf16: round to nearest even, 16 at a time).
+  constexpr int T = R * M, kGroups = (T + 15) / 16;
+  alignas(64) float sum[kGroups * 16];
   if constexpr (T >= 6) {
 #pragma GCC unroll 2
     for (int t0 = 0; t0 < T; t0 += 16) {
@@ -80,9 +72,16 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void Tile(const ui
   } else {
     for (int t = 0; t < T; ++t) sum[t] = SumLanes(acc[t / M][t % M]);
   }
+  if (bias != nullptr) {
+    for (int t = 0; t < T; ++t) sum[t] += Bf16ToFloat(bias[r0 + t / M]);
+  }
+  alignas(32) uint16_t out[kGroups * 16];
+  for (int g = 0; g < kGroups; ++g) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 16 * g),
+                       (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sum + 16 * g)));
+  }
   for (int r = 0; r < R; ++r) {
-    const float b = bias != nullptr ? Bf16ToFloat(bias[r0 + r]) : 0.f;
-    for (int i = 0; i < M; ++i) y[i * n + r0 + r] = FloatToBf16(sum[r * M + i] + b);
+    for (int i = 0; i < M; ++i) y[i * n + r0 + r] = out[r * M + i];
   }
 }
 

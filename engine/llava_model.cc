@@ -20,6 +20,12 @@ at::ScalarType ScalarTypeOf(DType d) {
   return d == DType::kF32 ? at::kFloat : d == DType::kF16 ? at::kHalf : at::kBFloat16;
 }
 
+// A bf16 CPU tensor outside autograd: eligible for the fused loops below (the trainer's
+// forward keeps the ATen ops, whose backward it needs).
+bool IsPlainCpuBf16(const at::Tensor& t) {
+  return t.is_cpu() && t.scalar_type() == at::kBFloat16 && !t.requires_grad();
+}
+
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
@@ -101,6 +107,25 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     }
   }
 #endif
+  if (IsPlainCpuBf16(x) && IsPlainCpuBf16(weight) && x.is_contiguous()) {
+    // The same arithmetic as below in one pass per row, without the six temporaries.
+    const int64_t dim = x.size(-1), rows = x.numel() / dim;
+    at::Tensor y = at::empty_like(x);
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const at::BFloat16* xr = xp + r * dim;
+      float ss = 0.f;
+      for (int64_t d = 0; d < dim; ++d) ss += static_cast<float>(xr[d]) * static_cast<float>(xr[d]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) {
+        const at::BFloat16 normed(static_cast<float>(xr[d]) * inv);
+        yp[r * dim + d] = at::BFloat16(static_cast<float>(wp[d]) * static_cast<float>(normed));
+      }
+    }
+    return y;
+  }
   at::Tensor xf = x.to(at::kFloat);
   at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return weight * normed.to(x.scalar_type());
@@ -114,6 +139,34 @@ RotaryTable MakeRotaryTable(const at::Tensor& positions, const at::Tensor& inv_f
 }
 
 at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table) {
+  if (IsPlainCpuBf16(x) && x.dim() == 3 && x.stride(2) == 1 && table.cos.is_contiguous() &&
+      table.sin.is_contiguous() && table.cos.scalar_type() == at::kFloat &&
+      table.cos.size(0) == x.size(0) && table.cos.size(2) == x.size(2)) {
+    // x [n, heads, hd] (a strided view of the fused q/k/v rows) -> contiguous, in one pass.
+    const int64_t n = x.size(0), heads = x.size(1), hd = x.size(2), half = hd / 2;
+    at::Tensor y = at::empty({n, heads, hd}, x.options());
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    const float* cp = table.cos.data_ptr<float>();
+    const float* sp = table.sin.data_ptr<float>();
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const at::BFloat16* xr = xp + i * x.stride(0) + h * x.stride(1);
+        const float* c = cp + i * hd;
+        const float* sn = sp + i * hd;
+        at::BFloat16* yr = yp + (i * heads + h) * hd;
+        for (int64_t d = 0; d < half; ++d) {
+          yr[d] = at::BFloat16(static_cast<float>(xr[d]) * c[d] -
+                               static_cast<float>(xr[d + half]) * sn[d]);
+        }
+        for (int64_t d = half; d < hd; ++d) {
+          yr[d] = at::BFloat16(static_cast<float>(xr[d]) * c[d] +
+                               static_cast<float>(xr[d - half]) * sn[d]);
+        }
+      }
+    }
+    return y;
+  }
   at::Tensor xf = x.to(at::kFloat);
   return (xf * table.cos + RotateHalf(xf) * table.sin).to(x.scalar_type());
 }

@@ -48,6 +48,34 @@ TEST(Rotary, MatchesPairwiseRotation) {
   }
 }
 
+TEST(FusedCpuOps, Bf16RmsNormAndRotaryMatchTheFp32Ops) {
+  // bf16 CPU tensors outside autograd take one-pass loops; the fp32 path is the ATen ops.
+  at::manual_seed(4);
+  at::Tensor x = at::randn({7, 96}) * 3;
+  at::Tensor w = at::rand({96}) + 0.5;
+  at::Tensor want = RmsNorm(x, w, 1e-5);
+  at::Tensor got = RmsNorm(x.to(at::kBFloat16), w.to(at::kBFloat16), 1e-5);
+  ASSERT_EQ(got.scalar_type(), at::kBFloat16);
+  ASSERT_EQ(got.sizes(), want.sizes());
+  // Inputs rounded to bf16 and two bf16 roundings on the way: within 2^-6 relative.
+  EXPECT_LT((got.to(at::kFloat) - want).abs().max().item<double>(),
+            want.abs().max().item<double>() / 64);
+
+  // Rotary on a strided view, as the decoder applies it to the fused q/k/v rows.
+  const int64_t n = 6, heads = 3, hd = 16;
+  at::Tensor qkv = at::randn({n, 2 * heads * hd});
+  at::Tensor pos = at::tensor({0, 1, 2, 50, 51, 400}, at::kLong);
+  at::Tensor inv = at::pow(10000.0, at::arange(0, hd, 2, at::kFloat) / double(hd)).reciprocal();
+  const RotaryTable table = MakeRotaryTable(pos, inv);
+  at::Tensor q16 = qkv.to(at::kBFloat16).narrow(1, heads * hd, heads * hd).view({n, heads, hd});
+  ASSERT_FALSE(q16.is_contiguous());
+  at::Tensor rot = ApplyRotary(q16, table);
+  at::Tensor ref = ApplyRotary(q16.to(at::kFloat), table);
+  ASSERT_EQ(rot.scalar_type(), at::kBFloat16);
+  EXPECT_LT((rot.to(at::kFloat) - ref).abs().max().item<double>(),
+            ref.abs().max().item<double>() / 128);
+}
+
 TEST(Attention, MatchesNaiveLoopsWithCachedPrefixAndGroupedHeads) {
   const int64_t n = 3, past = 4, len = past + n, h = 4, hkv = 2, hd = 8;
   at::manual_seed(1);
