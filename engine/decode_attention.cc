@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "engine/avx512_reduce.h"
 #include "engine/cpu_gemv.h"
@@ -157,13 +158,57 @@ __attribute__((target("avx512f"))) inline void ConvertBlock(const KV* src, int64
   }
 }
 
+// Scores of g bf16 query heads against a bf16 cache head with AVX512-BF16 dot products, which
+// read the keys as stored (no conversion) and take pairs of products per instruction; fp32
+// accumulation, so the result equals the fp32 path's up to summation order when the query is
+// bf16 (as in a bf16 model). p [g, len] = q k^T * scale.
+template <int CH>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void ScoresBf16(const uint16_t* qb,
+                                                                       int64_t g, const uint16_t* k,
+                                                                       int64_t k_stride,
+                                                                       int64_t len, float scale,
+                                                                       float* p) {
+  static_assert(CH % 2 == 0, "pairs of 16-lane chunks");
+  constexpr int64_t hd = 16 * CH, kVec = CH / 2;  // 32 bf16 per vector
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < g; ++i) {
+    __m512bh qv[kVec];
+#pragma GCC unroll 8
+    for (int c = 0; c < kVec; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + i * hd + 32 * c);
+    int64_t j0 = 0;
+    for (; j0 + 16 <= len; j0 += 16) {
+      __m512 dot[16];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+        const uint16_t* kr = k + (j0 + r) * k_stride;
+        __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int c = 0; c < kVec; ++c) {
+          acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+        }
+        dot[kSumSlot[r]] = acc;
+      }
+      _mm512_storeu_ps(p + i * len + j0, _mm512_mul_ps(SumEach16(dot), vscale));
+    }
+    for (; j0 < len; ++j0) {
+      const uint16_t* kr = k + j0 * k_stride;
+      __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int c = 0; c < kVec; ++c) {
+        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+      }
+      p[i * len + j0] = SumLanes(acc) * scale;
+    }
+  }
+}
+
+// Scores in fp32: each block of 16 key rows converted once for all g heads, the 16 dot products
+// of a head reduced together. p [g, len] = q k^T * scale; buf holds 16 rows.
 template <int CH, typename KV>
-__attribute__((target("avx512f"))) void GroupAvx512(const float* q, int64_t g, const KV* k,
-                                                    int64_t k_stride, const KV* v, int64_t v_stride,
-                                                    int64_t len, float scale, float* p,
-                                                    float* out) {
+__attribute__((target("avx512f"))) void ScoresF32(const float* q, int64_t g, const KV* k,
+                                                  int64_t k_stride, int64_t len, float scale,
+                                                  float* p, float* buf) {
   constexpr int64_t hd = 16 * CH;
-  alignas(64) float buf[16 * hd];
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     const int64_t nb = std::min<int64_t>(16, len - j0);
@@ -194,6 +239,28 @@ __attribute__((target("avx512f"))) void GroupAvx512(const float* q, int64_t g, c
       }
     }
   }
+}
+
+template <int CH, typename KV>
+__attribute__((target("avx512f"))) void GroupAvx512(const float* q, const uint16_t* qb, int64_t g,
+                                                    const KV* k, int64_t k_stride, const KV* v,
+                                                    int64_t v_stride, int64_t len, float scale,
+                                                    float* p, float* out) {
+  constexpr int64_t hd = 16 * CH;
+  alignas(64) float storage[16 * hd];
+  // Through an opaque pointer: with the block loops fully unrolled, GCC otherwise scalarises the
+  // array and copies all of it between stack slots for every block and head (seen in the
+  // disassembly; it halved the kernel's speed).
+  float* buf = storage;
+  asm("" : "+r"(buf));
+  bool scored = false;
+  if constexpr (std::is_same_v<KV, uint16_t> && CH % 2 == 0) {
+    if (qb != nullptr) {
+      ScoresBf16<CH>(qb, g, k, k_stride, len, scale, p);
+      scored = true;
+    }
+  }
+  if (!scored) ScoresF32<CH>(q, g, k, k_stride, len, scale, p, buf);
   SoftmaxRowsAvx512(p, g, len);
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
@@ -219,13 +286,13 @@ __attribute__((target("avx512f"))) void GroupAvx512(const float* q, int64_t g, c
 
 // GroupAvx512 for the head size, or false when it has no instance for it.
 template <typename KV>
-bool GroupAvx512ForHeadSize(int64_t hd, const float* q, int64_t g, const KV* k, int64_t ks,
-                            const KV* v, int64_t vs, int64_t len, float scale, float* p,
+bool GroupAvx512ForHeadSize(int64_t hd, const float* q, const uint16_t* qb, int64_t g, const KV* k,
+                            int64_t ks, const KV* v, int64_t vs, int64_t len, float scale, float* p,
                             float* out) {
   switch (hd) {
-#define LLAVA_GROUP_CASE(CH)                                 \
-  case 16 * CH:                                              \
-    GroupAvx512<CH>(q, g, k, ks, v, vs, len, scale, p, out); \
+#define LLAVA_GROUP_CASE(CH)                                     \
+  case 16 * CH:                                                  \
+    GroupAvx512<CH>(q, qb, g, k, ks, v, vs, len, scale, p, out); \
     return true;
     LLAVA_GROUP_CASE(1)
     LLAVA_GROUP_CASE(2)
@@ -265,6 +332,10 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
                 " that do not fit q ", q.sizes());
   }
   const at::Tensor qf = q.to(at::kFloat).contiguous();
+  // A bf16 query against bf16 caches also goes to the AVX512-BF16 score kernel as it is.
+  static const bool has_bf16_dot = CpuHasBf16Gemv();
+  const at::Tensor qb =
+      q.scalar_type() == at::kBFloat16 && has_bf16_dot ? q.contiguous() : at::Tensor();
   at::Tensor out = at::empty({batch, heads, hd}, qf.options());
   if (probs != nullptr) {
     probs->assign(batch, at::Tensor());
@@ -298,8 +369,8 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
       if (k.scalar_type() == at::kFloat) {
         const float* kf = k.data_ptr<float>() + kv * k.stride(0);
         const float* vf = v.data_ptr<float>() + kv * v.stride(0);
-        if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, group, kf, k.stride(1), vf, v.stride(1),
-                                                   len, scale, p, oh)) {
+        if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, nullptr, group, kf, k.stride(1), vf,
+                                                   v.stride(1), len, scale, p, oh)) {
           GroupF32(qh, group, kf, k.stride(1), vf, v.stride(1), len, hd, scale, p, oh);
         }
       } else {
@@ -307,8 +378,12 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
             reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + kv * k.stride(0);
         const auto* vb =
             reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + kv * v.stride(0);
-        if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, group, kb, k.stride(1), vb, v.stride(1),
-                                                   len, scale, p, oh)) {
+        const uint16_t* qbh = qb.defined()
+                                  ? reinterpret_cast<const uint16_t*>(qb.data_ptr<at::BFloat16>()) +
+                                        (b * heads + kv * group) * hd
+                                  : nullptr;
+        if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, qbh, group, kb, k.stride(1), vb,
+                                                   v.stride(1), len, scale, p, oh)) {
           GroupBf16(qh, group, kb, k.stride(1), vb, v.stride(1), len, hd, scale, p, oh);
         }
       }
