@@ -11,6 +11,7 @@
 
 #include "engine/avx512_reduce.h"
 #include "engine/cpu_gemv.h"
+#include "engine/cpu_ops.h"
 
 namespace llava {
 namespace {
@@ -19,18 +20,6 @@ inline float ToFloat(float x) { return x; }
 inline float ToFloat(uint16_t bf16) { return Bf16ToFloat(bf16); }
 
 constexpr int64_t kMaxHeadDim = 256;
-
-// Softmax of each of the `rows` rows of `p` [rows, len], in place.
-void SoftmaxRows(float* p, int64_t rows, int64_t len) {
-  for (int64_t i = 0; i < rows; ++i) {
-    float* pi = p + i * len;
-    float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    for (int64_t j = 0; j < len; ++j) max = std::max(max, pi[j]);
-    for (int64_t j = 0; j < len; ++j) sum += (pi[j] = std::exp(pi[j] - max));
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < len; ++j) pi[j] *= inv;
-  }
-}
 
 // The `g` query heads that share one KV head against one cache: scores (softmax probabilities
 // on return) in `p` [g, len], the weighted sums of values in `out` [g, hd]. Each key and value
@@ -95,50 +84,6 @@ __attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
   const __m512i wide =
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the maximum): x = n ln2 + r with |r| <= ln2 / 2,
-// e^r by its Taylor series to r^7 (relative error < 1e-8 on that range), times 2^n.
-__attribute__((target("avx512f"))) inline __m512 ExpNonPositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  // e^-103 is below the smallest denormal
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2, high bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);       // ln2, the rest
-  __m512 e = _mm512_set1_ps(1.f / 5040);
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 720));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(e, n);
-}
-
-__attribute__((target("avx512f"))) void SoftmaxRowsAvx512(float* p, int64_t rows, int64_t len) {
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < rows; ++i) {
-    float* pi = p + i * len;
-    __m512 vmax = neg_inf;
-    for (int64_t j = 0; j < len; j += 16) {
-      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
-      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, m, pi + j));
-    }
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j += 16) {
-      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
-      const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pi + j), max));
-      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
-      _mm512_mask_storeu_ps(pi + j, m, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / SumLanes(vsum));
-    for (int64_t j = 0; j < len; j += 16) {
-      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
-      _mm512_mask_storeu_ps(pi + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pi + j), inv));
-    }
-  }
 }
 
 // nb rows of a cache head converted to fp32 into buf [nb, 16 * CH]. The rows of the next block
@@ -261,7 +206,7 @@ __attribute__((target("avx512f"))) void GroupAvx512(const float* q, const uint16
     }
   }
   if (!scored) ScoresF32<CH>(q, g, k, k_stride, len, scale, p, buf);
-  SoftmaxRowsAvx512(p, g, len);
+  SoftmaxRows(p, g, len);
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     const int64_t nb = std::min<int64_t>(16, len - j0);

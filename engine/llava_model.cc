@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "engine/cpu_gemv.h"
+#include "engine/cpu_ops.h"
 #include "engine/decode_attention.h"
 #include "engine/weights.h"
 
@@ -23,7 +24,7 @@ at::ScalarType ScalarTypeOf(DType d) {
 // A bf16 CPU tensor outside autograd: eligible for the fused loops below (the trainer's
 // forward keeps the ATen ops, whose backward it needs).
 bool IsPlainCpuBf16(const at::Tensor& t) {
-  return t.is_cpu() && t.scalar_type() == at::kBFloat16 && !t.requires_grad();
+  return t.defined() && t.is_cpu() && t.scalar_type() == at::kBFloat16 && !t.requires_grad();
 }
 
 at::Tensor RotateHalf(const at::Tensor& x) {
@@ -92,6 +93,33 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
 }
 
 at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
+  if (IsPlainCpuBf16(x) && IsPlainCpuBf16(weight) && IsPlainCpuBf16(bias) && x.is_contiguous()) {
+    // at::layer_norm's arithmetic (fp32, biased variance) in one pass per row.
+    const int64_t dim = x.size(-1), rows = x.numel() / dim;
+    at::Tensor y = at::empty_like(x);
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = bias.data_ptr<at::BFloat16>();
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const at::BFloat16* xr = xp + r * dim;
+      float sum = 0.f;
+      for (int64_t d = 0; d < dim; ++d) sum += static_cast<float>(xr[d]);
+      const float mean = sum / static_cast<float>(dim);
+      float var = 0.f;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float c = static_cast<float>(xr[d]) - mean;
+        var += c * c;
+      }
+      const float rstd = 1.f / std::sqrt(var / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) {
+        yp[r * dim + d] =
+            at::BFloat16((static_cast<float>(xr[d]) - mean) * rstd * static_cast<float>(wp[d]) +
+                         static_cast<float>(bp[d]));
+      }
+    }
+    return y;
+  }
   return at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps).to(x.scalar_type());
 }
 
@@ -357,11 +385,23 @@ at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
       return t.view({b, s, heads, hd}).transpose(1, 2);
     };
     at::Tensor q = heads_view(l.q(h) * scale), k = heads_view(l.k(h)), vv = heads_view(l.v(h));
-    at::Tensor probs = at::softmax(at::matmul(q, k.transpose(-1, -2)), -1, at::kFloat);
+    at::Tensor scores = at::matmul(q, k.transpose(-1, -2));
+    at::Tensor probs;
+    if (scores.is_cpu() && !scores.requires_grad()) {
+      probs = scores.to(at::kFloat).contiguous();  // softmax rows in place (cpu_ops.h)
+      SoftmaxRows(probs.data_ptr<float>(), probs.numel() / s, s);
+    } else {
+      probs = at::softmax(scores, -1, at::kFloat);
+    }
     at::Tensor attn = at::matmul(probs.to(x.scalar_type()), vv).transpose(1, 2).reshape({b, s, dv});
     x = x + l.out(attn);
     h = l.fc1(l.ln2(x));
-    h = v.hidden_act == "quick_gelu" ? h * at::sigmoid(1.702 * h) : at::gelu(h);
+    if (v.hidden_act == "quick_gelu" && IsPlainCpuBf16(h) && h.is_contiguous()) {
+      QuickGeluBf16(reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()), h.numel());
+    } else {
+      h = v.hidden_act == "quick_gelu" ? h * at::sigmoid(1.702 * h) : at::gelu(h);
+    }
     x = x + l.fc2(h);
   }
   if (config_.vision_feature_select_strategy == "default") x = x.narrow(1, 1, s - 1);
@@ -400,14 +440,23 @@ at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at
     const int64_t bn = std::min(kQueryBlock, n - i0);
     at::Tensor qb = q4.narrow(2, i0, bn).reshape({hkv, g * bn, hd});
     at::Tensor scores = at::matmul(qb, keys_t).mul_(scale).view({hkv, g, bn, len});
-    if (n > 1) {
-      // Row i0+r sits at cache index len-n+i0+r and may see keys up to there.
-      at::Tensor rows = at::arange(i0, i0 + bn, at::kLong).unsqueeze(1) + (len - n);
-      at::Tensor cols = at::arange(len, at::kLong).unsqueeze(0);
-      at::Tensor masked = (cols > rows).to(scores.device());  // [bn, L]
-      scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
+    // Row i0+r sits at cache index len-n+i0+r and may see keys up to there.
+    at::Tensor probs;  // [Hkv, G, bn, L] fp32
+    if (scores.is_cpu() && !scores.requires_grad()) {
+      probs = scores.to(at::kFloat).contiguous();  // masked softmax in place (cpu_ops.h)
+      float* pp = probs.data_ptr<float>();
+      for (int64_t blk = 0; blk < hkv * g; ++blk) {
+        CausalSoftmaxRows(pp + blk * bn * len, bn, len, len - n + i0 + 1);
+      }
+    } else {
+      if (n > 1) {
+        at::Tensor rows = at::arange(i0, i0 + bn, at::kLong).unsqueeze(1) + (len - n);
+        at::Tensor cols = at::arange(len, at::kLong).unsqueeze(0);
+        at::Tensor masked = (cols > rows).to(scores.device());  // [bn, L]
+        scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
+      }
+      probs = at::softmax(scores, -1, at::kFloat);
     }
-    at::Tensor probs = at::softmax(scores, -1, at::kFloat);  // [Hkv, G, bn, L]
     if (observer != nullptr) (*observer)(i0, probs.view({h, bn, len}));
     outs.push_back(at::matmul(probs.to(values.scalar_type()).view({hkv, g * bn, len}), values)
                        .view({hkv, g, bn, hd}));

@@ -1,9 +1,10 @@
-// The AVX512-BF16 decode kernel against at::linear in fp32 on the same bf16 inputs.
+// The CPU kernels (cpu_gemv.h, cpu_ops.h) against ATen in fp32 on the same inputs.
 #include "engine/cpu_gemv.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "engine/cpu_ops.h"
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
 
@@ -59,6 +60,34 @@ TEST(Bf16Gemv, LinearDispatchesSkinnyBf16AndKeepsAutograd) {
   ASSERT_TRUE(y.requires_grad());
   y.to(at::kFloat).sum().backward();
   ASSERT_TRUE(trained.weight.grad().defined());
+}
+
+TEST(CpuOps, SoftmaxRowsMatchesATen) {
+  at::manual_seed(2);
+  // Lengths around the 16-lane vector width; large and very negative logits (exp underflow).
+  for (int64_t len : {1, 5, 16, 17, 145, 300}) {
+    at::Tensor x = at::randn({3, len}) * 20;
+    x[1].fill_(0);
+    x[2][0] = -1e4;
+    at::Tensor want = at::softmax(x, -1);
+    at::Tensor got = x.clone();
+    SoftmaxRows(got.data_ptr<float>(), 3, len);
+    EXPECT_LT((got - want).abs().max().item<double>(), 1e-6) << len;
+  }
+}
+
+TEST(CpuOps, QuickGeluMatchesTheFormula) {
+  at::manual_seed(3);
+  for (int64_t n : {1, 15, 16, 33, 1000}) {
+    at::Tensor x = (at::randn({n}) * 6).to(at::kBFloat16);
+    at::Tensor xf = x.to(at::kFloat);
+    at::Tensor want = xf * at::sigmoid(1.702 * xf);
+    at::Tensor y = at::empty_like(x);
+    QuickGeluBf16(static_cast<const uint16_t*>(x.data_ptr()), static_cast<uint16_t*>(y.data_ptr()),
+                  n);
+    // One bf16 rounding of the exact value: 2^-8 relative, plus a little absolute near 0.
+    EXPECT_TRUE(at::allclose(y.to(at::kFloat), want, 1.0 / 256, 1e-6)) << n;
+  }
 }
 
 }  // namespace

@@ -48,7 +48,7 @@ TEST(Rotary, MatchesPairwiseRotation) {
   }
 }
 
-TEST(FusedCpuOps, Bf16RmsNormAndRotaryMatchTheFp32Ops) {
+TEST(FusedCpuOps, Bf16NormsAndRotaryMatchTheFp32Ops) {
   // bf16 CPU tensors outside autograd take one-pass loops; the fp32 path is the ATen ops.
   at::manual_seed(4);
   at::Tensor x = at::randn({7, 96}) * 3;
@@ -60,6 +60,14 @@ TEST(FusedCpuOps, Bf16RmsNormAndRotaryMatchTheFp32Ops) {
   // Inputs rounded to bf16 and two bf16 roundings on the way: within 2^-6 relative.
   EXPECT_LT((got.to(at::kFloat) - want).abs().max().item<double>(),
             want.abs().max().item<double>() / 64);
+
+  LayerNorm ln{(at::rand({96}) + 0.5).to(at::kBFloat16), at::randn({96}).to(at::kBFloat16)};
+  at::Tensor ln_want = at::layer_norm(x.to(at::kBFloat16).to(at::kFloat), {96},
+                                      ln.weight.to(at::kFloat), ln.bias.to(at::kFloat), ln.eps);
+  at::Tensor ln_got = ln(x.to(at::kBFloat16));
+  ASSERT_EQ(ln_got.scalar_type(), at::kBFloat16);
+  EXPECT_LT((ln_got.to(at::kFloat) - ln_want).abs().max().item<double>(),
+            ln_want.abs().max().item<double>() / 128);
 
   // Rotary on a strided view, as the decoder applies it to the fused q/k/v rows.
   const int64_t n = 6, heads = 3, hd = 16;
