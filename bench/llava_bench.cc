@@ -17,6 +17,7 @@
 #include <cstdio>
 
 #include "engine/cpu_gemv.h"
+#include "engine/decode_attention.h"
 #include "engine/generator.h"
 #include "engine/kv_cache.h"
 #include "engine/llava_model.h"
@@ -283,6 +284,37 @@ void MatmulSuite(int reps, int threads) {
   }
 }
 
+// One decode step's attention outside the model: `batch` sequences, each with a bf16 cache of
+// `len` rows per layer (2 KV heads of 64, 4 query heads: the default model's shapes), one
+// DecodeAttention call per layer. Prints ms per step (median of reps) and the cache bytes read
+// per second.
+void AttentionSuite(int reps, int batch, int len, int layers) {
+  std::vector<std::vector<at::Tensor>> keys(layers), values(layers);
+  for (int l = 0; l < layers; ++l) {
+    for (int b = 0; b < batch; ++b) {
+      // Capacity beyond the length, as a growing cache has.
+      keys[l].push_back(at::randn({2, len + 64, 64}).to(at::kBFloat16).narrow(1, 0, len));
+      values[l].push_back(at::randn({2, len + 64, 64}).to(at::kBFloat16).narrow(1, 0, len));
+    }
+  }
+  const at::Tensor q = at::randn({batch, 4, 64}).to(at::kBFloat16);
+  const std::vector<bool> want(batch, false);
+  constexpr int kSteps = 200;
+  std::vector<double> ms;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < kSteps; ++i) {
+      for (int l = 0; l < layers; ++l)
+        (void)llava::DecodeAttention(q, keys[l], values[l], want, nullptr);
+    }
+    ms.push_back(Seconds(t0) / kSteps * 1e3);
+  }
+  const double step_ms = Median(ms);
+  const double bytes = 2.0 * batch * layers * 2 * len * 64 * 2;
+  std::printf("suite=attention batch=%d len=%d layers=%d step_ms=%.3f cache_gb_s=%.1f\n", batch,
+              len, layers, step_ms, bytes / (step_ms / 1e3) / 1e9);
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"Decoder benchmark at LLaVA-1.5-7B layer shapes (random bf16 weights)"};
   int layers = 4, threads = 0, prompt = 512, reps = 5, steps = 16, context = 64;
@@ -300,13 +332,18 @@ int main(int argc, char** argv) {
                  "a llava-hf folder to measure (bf16) instead of random 7B-shape layers");
   app.add_option("--suite", suite,
                  "decoder (issue 2 numbers) | policies (Elastic vs Full) | matmul (bf16 GEMM "
-                 "kernels at prefill shapes)")
-      ->check(CLI::IsMember({"decoder", "policies", "matmul"}))
+                 "kernels at prefill shapes) | attention (decode attention kernel: --batches, "
+                 "--context rows, --layers)")
+      ->check(CLI::IsMember({"decoder", "policies", "matmul", "attention"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   threads = llava::InitTorchThreads(threads);
   at::manual_seed(0);
 
+  if (suite == "attention") {
+    for (int b : batches) AttentionSuite(std::max(3, reps), b, context, layers);
+    return 0;
+  }
   if (suite == "matmul") {
     MatmulSuite(std::max(3, reps), threads);
     return 0;
