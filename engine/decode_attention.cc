@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <type_traits>
 
 #include "engine/avx512_reduce.h"
@@ -76,7 +75,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void GroupBf16(
 // the output accumulators in memory. This one works on blocks of 16 cache rows: the block is
 // converted to fp32 once into an L1-resident buffer for all heads of the group, the 16 dot
 // products of a head are reduced together (SumEach16), and the weighted sum of values keeps its
-// accumulators in registers for the whole block.
+// accumulators in registers for the whole block. A bf16 query against a bf16 cache (a bf16
+// model) scores with AVX512-BF16 dot products instead (ScoresBf16), reading the keys as stored.
+// `llava-bench --suite attention` times it outside the model.
 __attribute__((target("avx512f"))) inline __m512 Load16(const float* p) {
   return _mm512_loadu_ps(p);
 }
