@@ -87,22 +87,17 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void Tile(const ui
   }
 }
 
-// Outputs [n0, n1) for all rows at once, as many weight rows per tile as
-// the registers allow, so each weight row is streamed from memory once.
-template <int M, int R>
-void SkinnyRows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n,
-                int64_t k, int64_t n0, int64_t n1) {
-  int64_t r0 = n0;
-  for (; r0 + R <= n1; r0 += R) Tile<M, R>(x, w, bias, y, n, k, r0);
-  for (; r0 < n1; ++r0) Tile<M, 1>(x, w, bias, y, n, k, r0);
-}
-
+// All outputs for all rows, R weight rows per tile (and single rows at the end of a thread's
+// range), so each weight row is streamed from memory once for the whole batch.
 template <int M, int R>
 void SkinnyR(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n,
              int64_t k) {
   const int64_t blocks = (n + R - 1) / R;
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    SkinnyRows<M, R>(x, w, bias, y, n, k, b0 * R, std::min(n, b1 * R));
+    const int64_t n1 = std::min(n, b1 * R);
+    int64_t r0 = b0 * R;
+    for (; r0 + R <= n1; r0 += R) Tile<M, R>(x, w, bias, y, n, k, r0);
+    for (; r0 < n1; ++r0) Tile<M, 1>(x, w, bias, y, n, k, r0);
   });
 }
 

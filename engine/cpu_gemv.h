@@ -27,9 +27,8 @@ bool CpuHasBf16Gemv();
 
 // y [m, n] = x [m, k] . w [n, k]^T (+ bias [n]); bf16 in and out (uint16_t bit patterns),
 // fp32 accumulation, round-to-nearest-even. Requires 1 <= m <= kGemvMaxRows, k >= 1 (a
-// k % 32 tail is masked), row-major
-// contiguous operands and CpuHasBf16Gemv(). `bias` may be null. Runs on libtorch's intra-op
-// threads.
+// k % 32 tail is masked), row-major contiguous operands and CpuHasBf16Gemv(). `bias` may be
+// null. Runs on libtorch's intra-op threads.
 void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t m,
               int64_t n, int64_t k);
 

@@ -277,22 +277,28 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
                 "DecodeAttention: sequence ", b, " has keys ", k.sizes(), " / values ", v.sizes(),
                 " that do not fit q ", q.sizes());
   }
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  // A bf16 query against bf16 caches also goes to the AVX512-BF16 score kernel as it is.
+  static const bool use_avx512 = __builtin_cpu_supports("avx512f");
+  // A bf16 query against bf16 caches goes to the AVX512-BF16 score kernel as it is (head
+  // sizes 32, 64, 96, 128); only the other paths read the query in fp32.
   static const bool has_bf16_dot = CpuHasBf16Gemv();
   const at::Tensor qb =
       q.scalar_type() == at::kBFloat16 && has_bf16_dot ? q.contiguous() : at::Tensor();
-  at::Tensor out = at::empty({batch, heads, hd}, qf.options());
+  bool need_qf = !(qb.defined() && use_avx512 && hd % 32 == 0 && hd <= 128);
+  for (int64_t b = 0; b < batch && !need_qf; ++b) {
+    need_qf = keys[b].scalar_type() != at::kBFloat16;
+  }
+  const at::Tensor qf = need_qf ? q.to(at::kFloat).contiguous() : at::Tensor();
+  const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({batch, heads, hd}, f32);
   if (probs != nullptr) {
     probs->assign(batch, at::Tensor());
     for (int64_t b = 0; b < batch; ++b) {
-      if (want_probs[b]) (*probs)[b] = at::empty({heads, 1, keys[b].size(1)}, qf.options());
+      if (want_probs[b]) (*probs)[b] = at::empty({heads, 1, keys[b].size(1)}, f32);
     }
   }
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  const float* qp = qf.data_ptr<float>();
+  const float* qp = need_qf ? qf.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  static const bool use_avx512 = __builtin_cpu_supports("avx512f");
   // One unit of work: a sequence's KV head and the query heads that read it.
   const int64_t kv_heads = keys[0].size(0), group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t u0, int64_t u1) {
@@ -310,7 +316,7 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
         p = scratch.data();
       }
       const int64_t first = b * heads + kv * group;  // row of the group's first query head
-      const float* qh = qp + first * hd;
+      const float* qh = qp != nullptr ? qp + first * hd : nullptr;
       float* oh = op + first * hd;
       if (k.scalar_type() == at::kFloat) {
         const float* kf = k.data_ptr<float>() + kv * k.stride(0);
