@@ -88,46 +88,6 @@ TEST(ShapesWorld, TextMatchesThePicture) {
   }
 }
 
-// The object-index map (grounding targets of the trainer) covers the same pixels as the
-// picture: where it names object i, the pixel has object i's colour (the interior: all 8
-// neighbours name the same object, so antialiased edges are left out), and each object owns
-// at least a few pixels unless a later one hides it.
-TEST(ShapesWorld, ObjectIndexMatchesThePicture) {
-  const uint8_t kRgb[kNumColours][3] = {{220, 40, 40},   {245, 145, 30}, {235, 210, 30},
-                                        {40, 160, 70},   {40, 90, 220},  {135, 65, 185},
-                                        {240, 120, 185}, {25, 25, 25}};
-  int checked = 0;
-  for (uint64_t seed = 0; seed < 100; ++seed) {
-    Rng rng(seed);
-    const Scene s = SampleScene(rng);
-    const std::vector<uint8_t> px = RenderScene(s, 96, seed);
-    const std::vector<uint8_t> index = RenderObjectIndex(s, 96);
-    ASSERT_EQ(index.size(), 96u * 96u);
-    std::vector<int> owned(s.objects.size() + 1, 0);
-    for (int y = 1; y < 95; ++y) {
-      for (int x = 1; x < 95; ++x) {
-        const int i = index[y * 96 + x];
-        ASSERT_LE(i, static_cast<int>(s.objects.size()));
-        ++owned[i];
-        bool interior = true;
-        for (int dy = -1; dy <= 1; ++dy) {
-          for (int dx = -1; dx <= 1; ++dx) interior &= index[(y + dy) * 96 + x + dx] == i;
-        }
-        if (i == 0 || !interior) continue;
-        for (int c = 0; c < 3; ++c) {
-          ASSERT_NEAR(px[(y * 96 + x) * 3 + c], kRgb[s.objects[i - 1].colour][c], 2)
-              << "seed " << seed << " pixel " << x << "," << y;
-        }
-        ++checked;
-      }
-    }
-    for (size_t i = 0; i < s.objects.size(); ++i) {
-      EXPECT_GT(owned[i + 1], 20) << "seed " << seed << " object " << i;
-    }
-  }
-  EXPECT_GT(checked, 10000);
-}
-
 TEST(ShapesWorld, ShortAnswersAgreeWithTheScene) {
   int yes = 0, no = 0;
   std::set<std::string> kinds;

@@ -99,23 +99,6 @@ std::vector<cv::Point2d> Polygon(int shape, double r, double angle_deg) {
   return p;
 }
 
-// Fills object `o` into `img` (geometry at 96 px scaled by k), antialiased or not.
-void DrawObject(const Object& o, double k, const cv::Scalar& colour, int line_type, cv::Mat* img) {
-  constexpr int kShift = 4;  // sub-pixel bits for OpenCV's drawing
-  const double cx = k * (16 + 32 * (o.cell % 3) + o.dx), cy = k * (16 + 32 * (o.cell / 3) + o.dy);
-  const double r = k * kRadius[o.size];
-  if (o.shape == 0) {
-    cv::circle(*img, cv::Point(std::lround(cx * 16), std::lround(cy * 16)),
-               static_cast<int>(std::lround(r * 16)), colour, cv::FILLED, line_type, kShift);
-    return;
-  }
-  std::vector<cv::Point> pts;
-  for (const auto& p : Polygon(o.shape, r, o.shape == 3 ? 0 : o.angle)) {
-    pts.emplace_back(std::lround((cx + p.x) * 16), std::lround((cy + p.y) * 16));
-  }
-  cv::fillPoly(*img, std::vector<std::vector<cv::Point>>{pts}, colour, line_type, kShift);
-}
-
 }  // namespace
 
 Scene SampleScene(Rng& rng) {
@@ -162,20 +145,24 @@ std::vector<uint8_t> RenderScene(const Scene& scene, int size, uint64_t texture_
       }
     }
   }
+  constexpr int kShift = 4;  // sub-pixel bits for OpenCV's drawing
   for (const Object& o : scene.objects) {
+    const double cx = k * (16 + 32 * (o.cell % 3) + o.dx), cy = k * (16 + 32 * (o.cell / 3) + o.dy);
+    const double r = k * kRadius[o.size];
     const uint8_t* c = kColourRgb[o.colour];
-    DrawObject(o, k, cv::Scalar(c[0], c[1], c[2]), cv::LINE_AA, &img);
+    const cv::Scalar colour(c[0], c[1], c[2]);
+    if (o.shape == 0) {
+      cv::circle(img, cv::Point(std::lround(cx * 16), std::lround(cy * 16)),
+                 static_cast<int>(std::lround(r * 16)), colour, cv::FILLED, cv::LINE_AA, kShift);
+      continue;
+    }
+    std::vector<cv::Point> pts;
+    for (const auto& p : Polygon(o.shape, r, o.shape == 3 ? 0 : o.angle)) {
+      pts.emplace_back(std::lround((cx + p.x) * 16), std::lround((cy + p.y) * 16));
+    }
+    cv::fillPoly(img, std::vector<std::vector<cv::Point>>{pts}, colour, cv::LINE_AA, kShift);
   }
   return std::vector<uint8_t>(img.data, img.data + img.total() * 3);
-}
-
-std::vector<uint8_t> RenderObjectIndex(const Scene& scene, int size) {
-  const double k = size / 96.0;
-  cv::Mat img(size, size, CV_8UC1, cv::Scalar(0));
-  for (size_t i = 0; i < scene.objects.size(); ++i) {
-    DrawObject(scene.objects[i], k, cv::Scalar(static_cast<double>(i + 1)), cv::LINE_8, &img);
-  }
-  return std::vector<uint8_t>(img.data, img.data + img.total());
 }
 
 std::string RenderPng(const Scene& scene, int size, uint64_t texture_seed) {

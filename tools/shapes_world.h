@@ -54,10 +54,6 @@ Scene SampleScene(Rng& rng);
 std::vector<uint8_t> RenderScene(const Scene& scene, int size, uint64_t texture_seed);
 // PNG bytes of RenderScene.
 std::string RenderPng(const Scene& scene, int size, uint64_t texture_seed);
-// Which object covers each pixel: 0 for the background, i + 1 for scene.objects[i] (later
-// objects on top, as drawn), the same geometry as RenderScene without antialiasing. Row-major,
-// size x size bytes. For training targets (tools/train_main.cc, --ground-weight).
-std::vector<uint8_t> RenderObjectIndex(const Scene& scene, int size);
 
 struct QA {
   std::string kind;      // colour, shape, count, position, exists, larger, where, describe

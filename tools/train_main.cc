@@ -14,7 +14,6 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -47,38 +46,7 @@ struct Example {
   std::vector<int> labels;  // labels[t] = id predicted from position t (kIgnore if none)
   std::vector<int> image_offsets;
   std::vector<float> pixels;  // [3, S, S]
-  // Grounding targets, two per image token (patch-major): the token ids of the colour and the
-  // shape word of the object covering the patch, kIgnore for background patches.
-  std::vector<int> ground;
 };
-
-// Token ids of the colour and shape words, as the tokenizer splits them after a space.
-struct WordIds {
-  std::vector<int> colour, shape;
-};
-
-// Which object a patch shows: the object covering most of its pixels if that is at least a
-// quarter of the patch. Fills ex->ground (see Example).
-void GroundingTargets(const llava::shapes::Scene& scene, const llava::VisionConfig& v,
-                      const WordIds& words, Example* ex) {
-  const int size = static_cast<int>(v.image_size), p = static_cast<int>(v.patch_size);
-  const int grid = size / p;
-  const std::vector<uint8_t> index = llava::shapes::RenderObjectIndex(scene, size);
-  ex->ground.assign(2 * grid * grid, kIgnore);
-  for (int r = 0; r < grid; ++r) {
-    for (int c = 0; c < grid; ++c) {
-      std::vector<int> count(scene.objects.size() + 1, 0);
-      for (int y = r * p; y < (r + 1) * p; ++y) {
-        for (int x = c * p; x < (c + 1) * p; ++x) ++count[index[y * size + x]];
-      }
-      const auto best = std::max_element(count.begin() + 1, count.end());
-      if (best == count.end() || 4 * *best < p * p) continue;
-      const auto& o = scene.objects[best - count.begin() - 1];
-      ex->ground[2 * (r * grid + c)] = words.colour[o.colour];
-      ex->ground[2 * (r * grid + c) + 1] = words.shape[o.shape];
-    }
-  }
-}
 
 // Builds the token ids of a whole conversation and marks the answer tokens. The template is
 // prefix-stable: the prompt up to turn i's "ASSISTANT:" is a prefix of the whole conversation,
@@ -117,7 +85,7 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
 }
 
 Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config, uint64_t seed,
-                    int64_t step, int b, double describe_prob, const WordIds* words) {
+                    int64_t step, int b, double describe_prob) {
   for (int attempt = 0;; ++attempt) {
     Rng rng(Mix(seed ^ kSceneStream, static_cast<uint64_t>(step) * 64 + b, attempt));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
@@ -128,7 +96,6 @@ Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& confi
     img.width = img.height = config.vision.image_size;
     img.pixels = llava::shapes::RenderScene(scene, img.width, rng.Next());
     ex.pixels = llava::PreprocessImage(img, config.image_processor);
-    if (words != nullptr) GroundingTargets(scene, config.vision, *words, &ex);
     return ex;
   }
 }
@@ -222,7 +189,7 @@ int main(int argc, char** argv) {
   int batch = 8, threads = 2, vocab = 512, corpus_scenes = 20000;
   bool bf16 = true;
   double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, describe_prob = 0.5;
-  double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0, ground_weight = 0;
+  double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
   app.add_option("--out", out_dir, "output llava-hf folder")->capture_default_str();
   app.add_option("--seed", seed, "seed of data, tokenizer corpus and weights")
       ->capture_default_str();
@@ -243,11 +210,6 @@ int main(int argc, char** argv) {
   app.add_option("--describe-prob", describe_prob,
                  "probability that a training conversation is the description alone")
       ->capture_default_str();
-  app.add_option("--ground-weight", ground_weight,
-                 "weight of the grounding loss: each image token's projected feature, read "
-                 "through the token embeddings, predicts the colour and shape words of the "
-                 "object it shows (0 = off)")
-      ->capture_default_str();
   app.add_option("--bf16", bf16, "bf16 autocast for the forward pass")->capture_default_str();
   app.add_option("--max-minutes", minutes, "stop (and save) after this long; 0 = no limit");
   CLI11_PARSE(app, argc, argv);
@@ -263,17 +225,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   const llava::LlavaConfig config = DefaultConfig(**tok);
-  WordIds words;  // "\xe2\x96\x81" is SentencePiece's word-start mark
-  const auto word_id = [&tok](const char* w) {
-    return (*tok)->PieceToId("\xe2\x96\x81" + std::string(w));
-  };
-  for (const char* w : llava::shapes::kColourNames) words.colour.push_back(word_id(w));
-  for (const char* w : llava::shapes::kShapeNames) words.shape.push_back(word_id(w));
-  if (ground_weight > 0 && (std::count(words.colour.begin(), words.colour.end(), -1) > 0 ||
-                            std::count(words.shape.begin(), words.shape.end(), -1) > 0)) {
-    std::fprintf(stderr, "--ground-weight: a colour or shape word is not one token\n");
-    return 1;
-  }
   auto init = llava::RandomLlavaWeights(config, seed, at::kFloat, 0.02);
   {
     // LLaMA/CLIP-style small initial embeddings (the test checkpoints' N(0, 1) token
@@ -302,11 +253,9 @@ int main(int argc, char** argv) {
   llava::LlavaModel& model = **model_or;
 
   std::vector<at::Tensor> decay, no_decay;
-  const at::Tensor* embed = nullptr;
   int64_t n_params = 0;
   for (auto& [name, t] : model.MutableParameters()) {
     t->requires_grad_(true);
-    if (name == "lm.embed_tokens.weight") embed = t;
     n_params += t->numel();
     (t->dim() >= 2 && name.find("embed") == std::string::npos ? decay : no_decay).push_back(*t);
   }
@@ -335,7 +284,7 @@ int main(int argc, char** argv) {
   };
 
   const auto t0 = std::chrono::steady_clock::now();
-  double ema_loss = 0, ema_ground = 0, t_data = 0, t_forward = 0, t_backward = 0, t_update = 0;
+  double ema_loss = 0, t_data = 0, t_forward = 0, t_backward = 0, t_update = 0;
   int64_t tokens_done = 0;
   for (int64_t step = 0; step < steps; ++step) {
     const double warm = std::min(1.0, (step + 1.0) / warmup);
@@ -356,8 +305,7 @@ int main(int argc, char** argv) {
     std::vector<float> pixels;
     std::vector<int64_t> labels;
     for (int b = 0; b < batch; ++b) {
-      examples.push_back(MakeExample(**tok, config, seed, step, b, describe_prob,
-                                     ground_weight > 0 ? &words : nullptr));
+      examples.push_back(MakeExample(**tok, config, seed, step, b, describe_prob));
       pixels.insert(pixels.end(), examples.back().pixels.begin(), examples.back().pixels.end());
       labels.insert(labels.end(), examples.back().labels.begin(), examples.back().labels.end());
     }
@@ -381,28 +329,10 @@ int main(int argc, char** argv) {
     at::Tensor logits = model.Forward(chunks);
     at::Tensor target = at::tensor(labels, at::kLong);
     at::Tensor loss = at::cross_entropy_loss(logits, target, {}, at::Reduction::Mean, kIgnore);
-    at::Tensor ground_loss;
-    if (ground_weight > 0) {
-      // A stand-in for CLIP's image-text pre-training: each image token's feature, read through
-      // the token embeddings, predicts the words of the object under it, so image rows and the
-      // question's words share directions that attention can match (docs/TRAINING.md).
-      std::vector<int64_t> colour_t, shape_t;
-      for (const Example& ex : examples) {
-        for (size_t i = 0; i < ex.ground.size(); i += 2) {
-          colour_t.push_back(ex.ground[i]);
-          shape_t.push_back(ex.ground[i + 1]);
-        }
-      }
-      at::Tensor g =
-          at::matmul(features.reshape({-1, features.size(-1)}), embed->t()).to(at::kFloat);
-      ground_loss =
-          0.5 * (at::cross_entropy_loss(g, at::tensor(colour_t), {}, at::Reduction::Mean, kIgnore) +
-                 at::cross_entropy_loss(g, at::tensor(shape_t), {}, at::Reduction::Mean, kIgnore));
-    }
     autocast.reset();
     lap(&t_forward);
     optimizer.zero_grad();
-    (ground_loss.defined() ? loss + ground_weight * ground_loss : loss).backward();
+    loss.backward();
     lap(&t_backward);
     torch::nn::utils::clip_grad_norm_(decay, 1.0);
     torch::nn::utils::clip_grad_norm_(no_decay, 1.0);
@@ -412,21 +342,15 @@ int main(int argc, char** argv) {
     tokens_done += static_cast<int64_t>(labels.size());
     const double l = loss.item<double>();
     ema_loss = step == 0 ? l : 0.95 * ema_loss + 0.05 * l;
-    if (ground_loss.defined()) {
-      const double gl = ground_loss.item<double>();
-      ema_ground = step == 0 ? gl : 0.95 * ema_ground + 0.05 * gl;
-    }
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (step % 10 == 0 || step + 1 == steps) {
       const double eta = elapsed / (step + 1) * (steps - step - 1);
       std::printf(
           "step %5lld/%lld  loss %.4f (ema %.4f)  lr %.2e  %.0f tok/s  elapsed %.1f min  ETA %.1f "
-          "min",
+          "min\n",
           static_cast<long long>(step + 1), static_cast<long long>(steps), l, ema_loss, cur_lr,
           tokens_done / elapsed, elapsed / 60, eta / 60);
-      if (ground_weight > 0) std::printf("  grounding loss (ema) %.4f", ema_ground);
-      std::printf("\n");
       if (step % 100 == 0) {
         std::printf(
             "  time per step: data %.3f s, forward %.3f s, backward %.3f s, update %.3f s\n",
