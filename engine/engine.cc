@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "engine/llava_model.h"
 
@@ -36,6 +37,8 @@ struct Engine::Sequence {
   GenerationResult result;  // counters filled as it runs
   Clock::time_point admitted;
   bool first_token_seen = false;
+  at::Tensor prompt_embeds;  // [T, D] while the prompt is fed in chunks; released after
+  int64_t prefilled = 0;     // prompt rows fed so far
 };
 
 Engine::Engine(const LoadedModel& model, const EngineOptions& options)
@@ -179,7 +182,6 @@ void Engine::Loop() {
       }
     }
 
-    std::vector<Sequence*> fresh;
     if (!admitted.empty()) {
       for (auto& p : admitted) {
         auto seq = std::make_unique<Sequence>();
@@ -191,13 +193,13 @@ void Engine::Loop() {
             PromptTextIds(p->prepared.prompt, model_.model->config().image_token_index),
             model_.model->config().text.eos_token_id);
         seq->req = std::move(p);
-        fresh.push_back(seq.get());
         running_.push_back(std::move(seq));
       }
     }
     // New prompts ride in the same forward pass as the running requests' next token: the
-    // weights are read once per turn, and admissions never stall the running streams.
-    Step(fresh);
+    // weights are read once per turn, and with a prompt-row budget (prefill_chunk) a long
+    // prompt is spread over several turns instead of stalling every stream for its whole length.
+    Step();
 
     // Finished sequences: report and free their caches now.
     std::vector<uint64_t> ended;
@@ -223,28 +225,53 @@ void Engine::Loop() {
   }
 }
 
-void Engine::Step(const std::vector<Sequence*>& admitted) {
+void Engine::Step() {
+  // Prompts first, in admission order, up to the turn's prompt-row budget; then one token for
+  // every sequence whose prompt is complete.
+  const int64_t budget =
+      options_.prefill_chunk > 0 ? options_.prefill_chunk : std::numeric_limits<int64_t>::max();
+  int64_t rows_left = budget;
+  struct PromptPart {
+    Sequence* seq;
+    int64_t begin, n;
+  };
+  std::vector<PromptPart> prompts;
   std::vector<Sequence*> decoding;
   for (auto& seq : running_) {
-    const bool is_new = std::find(admitted.begin(), admitted.end(), seq.get()) != admitted.end();
-    if (!is_new && !seq->state->done()) decoding.push_back(seq.get());
+    if (seq->state->done()) continue;
+    const int64_t len = static_cast<int64_t>(seq->req->prepared.prompt.ids.size());
+    if (seq->prefilled < len) {
+      // The oldest unfinished prompt always gets rows, so no prompt starves.
+      const int64_t n = std::min(len - seq->prefilled, std::max<int64_t>(rows_left, 0));
+      if (n > 0) prompts.push_back({seq.get(), seq->prefilled, n});
+      rows_left -= n;
+    } else {
+      decoding.push_back(seq.get());
+    }
   }
-  if (admitted.empty() && decoding.empty()) return;
+  if (prompts.empty() && decoding.empty()) return;
   const LlavaModel& model = *model_.model;
   const int crop = model.config().vision.image_size;
+  std::vector<Sequence*> failed;
   try {
     std::vector<SequenceChunk> chunks;
-    for (Sequence* seq : admitted) {
+    for (const PromptPart& part : prompts) {
+      Sequence* seq = part.seq;
       const PreparedRequest& p = seq->req->prepared;
-      at::Tensor features;
-      if (p.num_images > 0) {
-        const Clock::time_point tv = Clock::now();
-        features = model.EncodeImages(at::from_blob(const_cast<float*>(p.pixels.data()),
-                                                    {p.num_images, 3, crop, crop}, at::kFloat));
-        seq->result.vision_seconds = Seconds(tv, Clock::now());
+      if (!seq->prompt_embeds.defined()) {  // first chunk: encode the images, embed the prompt
+        at::Tensor features;
+        if (p.num_images > 0) {
+          const Clock::time_point tv = Clock::now();
+          features = model.EncodeImages(at::from_blob(const_cast<float*>(p.pixels.data()),
+                                                      {p.num_images, 3, crop, crop}, at::kFloat));
+          seq->result.vision_seconds = Seconds(tv, Clock::now());
+        }
+        seq->prompt_embeds = model.EmbedPrompt(p.prompt.ids, p.prompt.image_offsets, features);
       }
-      chunks.push_back({model.EmbedPrompt(p.prompt.ids, p.prompt.image_offsets, features),
-                        seq->cache->NextPosition(), seq->cache.get(), false});
+      SequenceChunk c{seq->prompt_embeds.narrow(0, part.begin, part.n), seq->cache->NextPosition(),
+                      seq->cache.get(), false};
+      c.prompt_continues = part.begin + part.n < seq->prompt_embeds.size(0);
+      chunks.push_back(c);
     }
     if (!decoding.empty()) {
       std::vector<int64_t> ids;
@@ -258,9 +285,16 @@ void Engine::Step(const std::vector<Sequence*>& admitted) {
     at::Tensor logits = model.Forward(chunks).to(at::kCPU).contiguous();  // [rows, V] fp32
     const int vocab = static_cast<int>(logits.size(1));
     float* row = logits.data_ptr<float>();
-    for (Sequence* seq : admitted) {
+    for (size_t i = 0; i < prompts.size(); ++i, row += vocab) {
+      Sequence* seq = prompts[i].seq;
+      seq->prefilled += prompts[i].n;
+      if (chunks[i].prompt_continues) continue;  // the row of a partial prompt predicts nothing
+      seq->prompt_embeds = at::Tensor();         // the cache holds the prompt now
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        scheduler_.PrefillDone(seq->req->id);
+      }
       const std::string delta = seq->state->Step(row, vocab);
-      row += vocab;
       seq->result.ttft_seconds = Seconds(seq->req->submitted, Clock::now());
       if (!delta.empty()) seq->req->observer->OnText(delta);
     }
@@ -273,11 +307,9 @@ void Engine::Step(const std::vector<Sequence*>& admitted) {
     snapshot_.last_batch_size = static_cast<int>(chunks.size());
   } catch (const c10::Error& e) {
     // The failed pass may have appended to some caches: these requests cannot continue.
-    for (Sequence* seq : admitted) {
-      seq->state->Abort(FinishReason::kError);
-      Finish(seq, Internal(std::string("model failure: ") + e.what_without_backtrace()));
-    }
-    for (Sequence* seq : decoding) {
+    for (const PromptPart& part : prompts) failed.push_back(part.seq);
+    failed.insert(failed.end(), decoding.begin(), decoding.end());
+    for (Sequence* seq : failed) {
       seq->state->Abort(FinishReason::kError);
       Finish(seq, Internal(std::string("model failure: ") + e.what_without_backtrace()));
     }

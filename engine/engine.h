@@ -2,11 +2,11 @@
 // and runs continuous batching (llama.cpp's server loop, vLLM's scheduler split):
 //
 //   loop: apply cancellations and deadlines -> admit waiting requests while the KV byte budget
-//         allows (Scheduler) -> prefill the admitted ones together -> one decode step for every
-//         running request (the new ones included), linear layers batched across them,
-//         attention per request -> stream each new piece of text to its observer -> free
-//         finished requests' caches at once. (No chunked prefill yet: a long prompt's prefill
-//         delays that turn's decode step for everyone.)
+//         allows (Scheduler) -> one forward pass: the next rows of the prompts still being fed
+//         (at most `prefill_chunk` rows a turn, oldest request first: chunked prefill) and one
+//         decode token of every request whose prompt is complete, linear layers batched
+//         across all rows, attention per request -> stream each new piece of text to its
+//         observer -> free finished requests' caches at once.
 //
 // Network threads only call Submit/Cancel and read snapshots; everything else happens on the
 // engine thread. Requests are validated and their images decoded on the submitting thread, so
@@ -36,6 +36,10 @@ struct EngineOptions {
   int64_t kv_cache_bytes = int64_t{4} << 30;  // the KV byte budget shared by all requests
   int max_batch = 8;                          // running requests at most
   int max_queue = 64;                         // waiting requests at most
+  // Prompt rows fed per loop turn, over all requests still prefilling (chunked prefill, as
+  // vLLM's max_num_batched_tokens); 0 = every prompt whole in its admission turn. A turn with
+  // a long prompt otherwise delays every running stream's next token by its whole prefill.
+  int64_t prefill_chunk = 0;
 };
 
 // Receives one request's output, on the engine thread: it must not block.
@@ -109,9 +113,10 @@ class Engine final : public EngineApi {
   struct Pending;
   struct Sequence;
   void Loop();
-  // One forward pass: the prompts of the newly admitted sequences (`admitted`, may be empty)
-  // and one decode token of every running sequence, linear layers over all rows at once.
-  void Step(const std::vector<Sequence*>& admitted);
+  // One forward pass: the next prompt rows of sequences still prefilling (within the
+  // prefill_chunk budget) and one decode token of every other running sequence, linear layers
+  // over all rows at once.
+  void Step();
   void Finish(Sequence* seq, StatusOr<GenerationResult> result);
   void UpdateSnapshotLocked();
 

@@ -115,6 +115,7 @@ class FullKvCache final : public KvCache {
   int64_t Length(int layer) const override { return layers_[layer].Length(); }
   const std::vector<int64_t>& Positions(int layer) const override { return positions_; }
   void OnForwardDone(int64_t n_new) override { tokens_seen_ += n_new; }
+  void OnPromptChunkDone(int64_t n_new) override { tokens_seen_ += n_new; }
   int64_t NextPosition() const override { return tokens_seen_; }
 
   KvStats Stats() const override { return LayerStats(layers_, layout_, tokens_seen_); }
@@ -175,6 +176,8 @@ class CompressingKvCache final : public KvCache {
       while (layers_[l].Length() > target) Evict(l, Victim(l, target));
     }
   }
+
+  void OnPromptChunkDone(int64_t n_new) override { tokens_seen_ += n_new; }
 
   int64_t NextPosition() const override {
     return params_.position_mode == PositionMode::kCompressed ? layers_[0].Length() : tokens_seen_;

@@ -63,6 +63,12 @@ class KvCache {
   // Called once after each forward pass that fed `n_new` tokens to every layer: the point at
   // which policies compress (merge after prefill, evict after a decode step).
   virtual void OnForwardDone(int64_t n_new) = 0;
+  // Called instead of OnForwardDone after a pass that fed `n_new` rows of a prompt whose
+  // remaining rows follow in later passes (chunked prefill): the entries are counted and kept
+  // as they are; attention scores keep accumulating (a later chunk's queries see every earlier
+  // entry, so the column sums add up to those of one whole-prompt pass); compression waits for
+  // the OnForwardDone of the last chunk.
+  virtual void OnPromptChunkDone(int64_t n_new) = 0;
 
   // Rotary position of the next token fed (its true index for Full).
   virtual int64_t NextPosition() const = 0;

@@ -564,7 +564,13 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
     const int64_t f = t.intermediate_size;
     x = x + l.down(at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f));
   }
-  for (const SequenceChunk& c : chunks) c.cache->OnForwardDone(c.embeds.size(0));
+  for (const SequenceChunk& c : chunks) {
+    if (c.prompt_continues) {
+      c.cache->OnPromptChunkDone(c.embeds.size(0));
+    } else {
+      c.cache->OnForwardDone(c.embeds.size(0));
+    }
+  }
 
   at::Tensor rows = at::tensor(logit_rows, at::kLong).to(dev);
   at::Tensor last = RmsNorm(x.index_select(0, rows), final_norm_, t.rms_norm_eps);

@@ -65,6 +65,9 @@ struct SequenceChunk {
   int64_t start_position = 0;  // rotary position of row 0; rows are consecutive
   KvCache* cache = nullptr;    // receives the n new K/V rows per layer; not owned
   bool all_logits = false;     // logits for every row (true) or only the last (false)
+  // More rows of this prompt follow in later passes (chunked prefill): the cache gets
+  // OnPromptChunkDone instead of OnForwardDone, so it does not compress yet.
+  bool prompt_continues = false;
 };
 
 class LlavaModel {

@@ -37,18 +37,21 @@ Status Scheduler::Enqueue(const SchedRequest& r) {
 
 std::vector<uint64_t> Scheduler::Admit() {
   std::vector<uint64_t> admitted;
+  // Held now: steady reservations plus the transients of earlier requests still prefilling.
+  const int64_t held = reserved_ + prefill_extra_;
   int64_t prefill = 0;  // whole prompts of this round's requests, held while they prefill
   int64_t steady = 0;   // their reservations once compressed
   while (!waiting_.empty() && static_cast<int>(running_.size()) < config_.max_batch) {
     const SchedRequest& r = waiting_.front();
     const int64_t s = SteadyBytes(r), p = PrefillBytes(r);
-    if (reserved_ + steady + s > config_.kv_budget_bytes ||
-        reserved_ + prefill + p > config_.kv_budget_bytes) {
+    if (held + steady + s > config_.kv_budget_bytes ||
+        held + prefill + p > config_.kv_budget_bytes) {
       break;  // FIFO: no overtaking
     }
     steady += s;
     prefill += p;
-    running_[r.id] = s;
+    running_[r.id] = {s, std::max<int64_t>(0, p - s)};
+    prefill_extra_ += running_[r.id].prefill_extra;
     admitted.push_back(r.id);
     waiting_.pop_front();
   }
@@ -56,10 +59,18 @@ std::vector<uint64_t> Scheduler::Admit() {
   return admitted;
 }
 
+void Scheduler::PrefillDone(uint64_t id) {
+  auto it = running_.find(id);
+  if (it == running_.end()) return;
+  prefill_extra_ -= it->second.prefill_extra;
+  it->second.prefill_extra = 0;
+}
+
 bool Scheduler::Remove(uint64_t id) {
   auto it = running_.find(id);
   if (it != running_.end()) {
-    reserved_ -= it->second;
+    reserved_ -= it->second.steady;
+    prefill_extra_ -= it->second.prefill_extra;
     running_.erase(it);
     return true;
   }

@@ -3,10 +3,12 @@
 //
 // Each running request reserves its steady-state KV bytes: the most entries its policy holds
 // once the prompt is compressed (EntryTarget(T + G) per layer; T + G for Full) x layers x bytes
-// per entry. Requests admitted together are prefilled together, and while they prefill each
-// holds its whole prompt (T entries per layer) before compressing: admission checks that this
-// transient fits too. Waiting requests are admitted in FIFO order while both fit and the batch
-// has room; a request that could never fit alone is refused at enqueue time. No preemption.
+// per entry. While a request prefills it holds its whole prompt (T entries per layer) before
+// compressing: until the engine reports PrefillDone, its reservation is the larger of the two,
+// and admission checks that this transient fits too. (Without chunked prefill a request's prompt
+// is done in its admission turn; with it, over several turns.) Waiting requests are admitted in
+// FIFO order while both fit and the batch has room; a request that could never fit alone is
+// refused at enqueue time. No preemption.
 //
 // Thread safety: not thread-safe; the engine thread owns it.
 #pragma once
@@ -50,19 +52,28 @@ class Scheduler {
   Status Enqueue(const SchedRequest& r);
   // Moves waiting requests to running, FIFO, while they fit; returns their ids in order.
   std::vector<uint64_t> Admit();
+  // The request's whole prompt has been fed and compressed: its reservation drops to the
+  // steady-state bytes. Unknown ids and repeated calls are ignored.
+  void PrefillDone(uint64_t id);
   // Frees a running request's reservation, or drops a waiting one. False if unknown.
   bool Remove(uint64_t id);
 
   int waiting() const { return static_cast<int>(waiting_.size()); }
   int running() const { return static_cast<int>(running_.size()); }
-  int64_t reserved_bytes() const { return reserved_; }
+  // Steady-state reservations plus the prompt transients of requests still prefilling.
+  int64_t reserved_bytes() const { return reserved_ + prefill_extra_; }
   const SchedulerConfig& config() const { return config_; }
 
  private:
   SchedulerConfig config_;
   std::deque<SchedRequest> waiting_;
-  std::unordered_map<uint64_t, int64_t> running_;  // id -> reserved bytes
-  int64_t reserved_ = 0;
+  struct Reservation {
+    int64_t steady = 0;
+    int64_t prefill_extra = 0;  // max(0, prompt - steady) until PrefillDone
+  };
+  std::unordered_map<uint64_t, Reservation> running_;
+  int64_t reserved_ = 0;       // sum of steady
+  int64_t prefill_extra_ = 0;  // sum of prefill_extra
 };
 
 }  // namespace llava

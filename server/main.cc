@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   std::string metrics_listen = "0.0.0.0:9090";
   std::string dtype = "bf16", device = "cpu", policy = "elastic";
   double budget = 0.5, kv_gib = 4.0, grace_s = 30;
-  int threads = 0, max_batch = 8, max_queue = 64, default_max_tokens = 256;
+  int threads = 0, max_batch = 8, max_queue = 64, default_max_tokens = 256, prefill_chunk = 256;
   int max_tokens_limit = 2048, max_images = 4, max_messages = 64, max_prompt_tokens = 0;
   int64_t max_image_bytes = 20 << 20, max_image_pixels = 40'000'000;
   auto env = [](const char* name) { return std::string("LLAVA_") + name; };
@@ -54,6 +54,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-queue", max_queue, "waiting requests at most (then RESOURCE_EXHAUSTED)")
       ->envname(env("MAX_QUEUE"))
+      ->capture_default_str();
+  app.add_option("--prefill-chunk", prefill_chunk,
+                 "prompt rows fed per engine turn over all requests still prefilling, so a long "
+                 "prompt does not stall the running streams (0 = each prompt whole)")
+      ->envname(env("PREFILL_CHUNK"))
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--default-policy", policy, "full | elastic | h2o | streaming_llm")
       ->envname(env("DEFAULT_POLICY"))
@@ -116,6 +122,7 @@ int main(int argc, char** argv) {
   eo.kv_cache_bytes = kv_bytes > 0 ? kv_bytes : static_cast<int64_t>(kv_gib * (1 << 30));
   eo.max_batch = max_batch;
   eo.max_queue = max_queue;
+  eo.prefill_chunk = prefill_chunk;
   eo.limits.max_tokens_limit = max_tokens_limit;
   eo.limits.prompt.max_images = max_images;
   eo.limits.prompt.max_messages = max_messages;

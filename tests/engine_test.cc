@@ -120,6 +120,42 @@ TEST_F(EngineTest, ConcurrentRequestsMatchRunningAlone) {
   EXPECT_EQ(engine.Snapshot().kv_bytes_used, 0);
 }
 
+// Chunked prefill (7 prompt rows a turn, so every prompt is spread over several turns and
+// shares them with other prompts and decode steps) changes no answer.
+TEST_F(EngineTest, ChunkedPrefillMatchesRunningAlone) {
+  std::vector<GenerationRequest> reqs = {
+      Request("What is in the image?", 10, true), Request("describe the picture", 8, true),
+      Request("how many objects are there", 12, true), Request("hello", 6, false)};
+  reqs[0].kv_cache.policy = CachePolicy::kElastic;
+  reqs[0].kv_cache.budget = 0.4;
+  reqs[1].kv_cache.policy = CachePolicy::kH2O;
+  reqs[1].kv_cache.budget = 0.5;
+  reqs[2].kv_cache.policy = CachePolicy::kStreamingLLM;
+  reqs[2].kv_cache.budget = 0.5;
+  EngineOptions options;
+  options.prefill_chunk = 7;
+  Engine engine(*loaded_, options);
+  std::vector<std::shared_ptr<Collector>> out;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    out.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(engine.Submit(i + 1, reqs[i], out.back()).ok());
+  }
+  Generator alone(*loaded_, EngineLimits{});
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(out[i]->Wait());
+    ASSERT_TRUE(out[i]->result_.has_value()) << out[i]->status_.ToString();
+    auto ref = alone.Generate(reqs[i], nullptr);
+    ASSERT_TRUE(ref.ok());
+    ASSERT_GT(ref->prompt_tokens, 7) << "the prompt must span several turns";
+    EXPECT_EQ(out[i]->result_->tokens, ref->tokens) << "request " << i;
+    EXPECT_EQ(out[i]->result_->kv.bytes_kept, ref->kv.bytes_kept) << "request " << i;
+    EXPECT_EQ(out[i]->result_->kv.tokens_merged, ref->kv.tokens_merged) << "request " << i;
+  }
+  const EngineSnapshot snap = engine.Snapshot();
+  EXPECT_EQ(snap.kv_bytes_used, 0);
+  EXPECT_EQ(snap.kv_bytes_reserved, 0) << "every prompt transient and reservation returned";
+}
+
 TEST_F(EngineTest, CancelFreesTheCache) {
   Engine engine(*loaded_, EngineOptions{});
   auto c = std::make_shared<Collector>();

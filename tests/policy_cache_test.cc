@@ -108,6 +108,51 @@ TEST_F(PolicyCacheTest, BudgetOneEqualsFullForEveryPolicy) {
   }
 }
 
+// Chunked prefill: a prompt fed in pieces (one of them a single row, which takes the decode
+// attention path) leaves every policy's cache with the same entries as one whole pass: the
+// attention scores add up across chunks and compression waits for the last one.
+TEST_F(PolicyCacheTest, ChunkedPrefillMatchesOnePass) {
+  const at::Tensor prompt = Ids(37, 5), steps = Ids(6, 6);
+  for (CachePolicy p : {CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM}) {
+    const CacheParams params = Params(p, 0.3, /*recent=*/4);
+    auto whole = NewKvCache(model_->kv_layout(), params);
+    std::vector<at::Tensor> ref = {
+        model_->Forward({{model_->Embed(prompt), 0, whole.get(), false}})};
+
+    auto chunked = NewKvCache(model_->kv_layout(), params);
+    const at::Tensor embeds = model_->Embed(prompt);
+    std::vector<at::Tensor> out;
+    int64_t begin = 0;
+    for (int64_t n : {10, 1, 20, 6}) {
+      SequenceChunk c{embeds.narrow(0, begin, n), chunked->NextPosition(), chunked.get(), false};
+      c.prompt_continues = begin + n < prompt.size(0);
+      at::Tensor logits = model_->Forward({c});
+      begin += n;
+      if (c.prompt_continues) {
+        ASSERT_EQ(chunked->Length(0), begin) << "nothing is compressed before the last chunk";
+      } else {
+        out.push_back(logits);
+      }
+    }
+    ASSERT_EQ(begin, prompt.size(0));
+    for (int64_t i = 0; i <= steps.size(0); ++i) {
+      for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
+        ASSERT_EQ(chunked->Positions(l), whole->Positions(l))
+            << CachePolicyName(p) << " layer " << l << " step " << i;
+        ASSERT_TRUE(at::allclose(chunked->Keys(l), whole->Keys(l), 1e-5, 1e-5));
+        ASSERT_TRUE(at::allclose(chunked->Values(l), whole->Values(l), 1e-5, 1e-5));
+      }
+      if (i == steps.size(0)) break;
+      const at::Tensor x = model_->Embed(steps.narrow(0, i, 1));
+      ref.push_back(model_->Forward({{x, whole->NextPosition(), whole.get(), false}}));
+      out.push_back(model_->Forward({{x, chunked->NextPosition(), chunked.get(), false}}));
+    }
+    EXPECT_TRUE(at::allclose(at::cat(out, 0), at::cat(ref, 0), 1e-4, 1e-4)) << CachePolicyName(p);
+    EXPECT_EQ(chunked->Stats().tokens_merged, whole->Stats().tokens_merged);
+    EXPECT_EQ(chunked->Stats().tokens_evicted, whole->Stats().tokens_evicted);
+  }
+}
+
 TEST_F(PolicyCacheTest, LengthAndBytesFollowTheBudgetEveryStep) {
   std::mt19937 rng(3);
   for (int trial = 0; trial < 12; ++trial) {

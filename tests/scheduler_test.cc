@@ -44,6 +44,9 @@ TEST(Scheduler, AdmitsFifoWhileBytesFit) {
   EXPECT_TRUE(s.Remove(1));
   // Together: 60 000 + 12 000 once running; 40 000 + 40 000 while both prompts prefill.
   EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2, 3}));
+  EXPECT_EQ(s.reserved_bytes(), 100000) << "3 holds its whole prompt until it is merged";
+  s.PrefillDone(2);
+  s.PrefillDone(3);
   EXPECT_EQ(s.reserved_bytes(), 72000);
   EXPECT_EQ(s.running(), 2);
 }
@@ -62,11 +65,38 @@ TEST(Scheduler, CompressionAdmitsMoreRequests) {
   EXPECT_EQ(full.Admit().size(), 4u);
   EXPECT_TRUE(full.Admit().empty());
   size_t admitted = 0;
-  for (int round = 0; round < 40; ++round) admitted += elastic.Admit().size();
+  for (int round = 0; round < 40; ++round) {
+    for (uint64_t id : elastic.Admit()) {
+      elastic.PrefillDone(id);  // as the engine does once the prompt is fed and merged
+      ++admitted;
+    }
+  }
   // Steady 140 entries each: 20 x 140 = 2800; the last rounds are limited by the 600-token
   // transient of the prefill.
   EXPECT_GE(admitted, 16u);
   EXPECT_LE(elastic.reserved_bytes(), c.kv_budget_bytes);
+}
+
+// With chunked prefill a request keeps its whole prompt for several turns: its reservation
+// stays at the prompt size until PrefillDone, and later rounds see it.
+TEST(Scheduler, PromptTransientIsHeldUntilPrefillDone) {
+  SchedulerConfig c = Config(64, 64);
+  c.kv_budget_bytes = 1000 * 2 * 100;  // 1000 entries per layer
+  Scheduler s(c);
+  for (uint64_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(s.Enqueue({i, 600, 100, Kv(CachePolicy::kElastic, 0.2)}).ok());  // steady 140
+  }
+  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{0}));  // two prompts of 600 would not fit
+  EXPECT_EQ(s.reserved_bytes(), 600 * 200);
+  EXPECT_TRUE(s.Admit().empty()) << "request 0 still holds its whole prompt";
+  s.PrefillDone(0);
+  s.PrefillDone(0);  // repeated: ignored
+  s.PrefillDone(7);  // unknown: ignored
+  EXPECT_EQ(s.reserved_bytes(), 140 * 200);
+  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{1}));  // 140 + 600 fits, 140 + 1200 does not
+  EXPECT_TRUE(s.Remove(1));                          // cancelled while prefilling
+  EXPECT_EQ(s.reserved_bytes(), 140 * 200);
+  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2}));
 }
 
 TEST(Scheduler, RefusesWhatCanNeverFitAndBoundsTheQueue) {
