@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Load generator for llava-server"};
   std::string server = "127.0.0.1:50051", prompt = "Describe the image in detail.", policy;
   std::vector<std::string> images;
-  int concurrency = 8, requests = 32, max_tokens = 64;
+  int concurrency = 8, requests = 32, max_tokens = 64, min_tokens = 0;
   double budget = -1, temperature = 0;
   bool ignore_eos = false;
   app.add_option("--server", server)->capture_default_str();
@@ -41,6 +41,10 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", prompt)->capture_default_str();
   app.add_option("--image", images, "image file (repeatable), sent with every request");
   app.add_option("--max-tokens", max_tokens)->capture_default_str();
+  app.add_option("--min-tokens", min_tokens,
+                 "spread the requests' max_tokens evenly over [min, --max-tokens] (a fixed "
+                 "permutation), so streams do not start and end in lockstep; 0 = all equal")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--temperature", temperature)->capture_default_str();
   app.add_option("--policy", policy, "full | elastic | h2o | streaming_llm (default: server's)");
   app.add_option("--budget", budget, "KV budget ratio (default: server's)");
@@ -89,9 +93,15 @@ int main(int argc, char** argv) {
   for (int w = 0; w < concurrency; ++w) {
     workers.emplace_back([&, w] {
       auto stub = llava::v1::LlavaService::NewStub(channel);
-      while (next.fetch_add(1) < requests) {
+      for (int i = next.fetch_add(1); i < requests; i = next.fetch_add(1)) {
         grpc::ClientContext ctx;
         llava::v1::ChatRequest req = base;
+        if (min_tokens > 0 && min_tokens < max_tokens) {
+          // Request i's share of the range: a stride coprime with most spans spreads lengths.
+          const int span = max_tokens - min_tokens + 1;
+          req.mutable_sampling()->set_max_tokens(
+              min_tokens + static_cast<int>((static_cast<int64_t>(i) * 7919) % span));
+        }
         req.set_request_id("load-" + std::to_string(w));
         const Clock::time_point t0 = Clock::now();
         auto reader = stub->ChatStream(&ctx, req);
