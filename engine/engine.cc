@@ -228,9 +228,8 @@ void Engine::Loop() {
 void Engine::Step() {
   // Prompts first, in admission order, up to the turn's prompt-row budget; then one token for
   // every sequence whose prompt is complete.
-  const int64_t budget =
+  int64_t rows_left =
       options_.prefill_chunk > 0 ? options_.prefill_chunk : std::numeric_limits<int64_t>::max();
-  int64_t rows_left = budget;
   struct PromptPart {
     Sequence* seq;
     int64_t begin, n;
@@ -242,7 +241,7 @@ void Engine::Step() {
     const int64_t len = static_cast<int64_t>(seq->req->prepared.prompt.ids.size());
     if (seq->prefilled < len) {
       // The oldest unfinished prompt always gets rows, so no prompt starves.
-      const int64_t n = std::min(len - seq->prefilled, std::max<int64_t>(rows_left, 0));
+      const int64_t n = std::min(len - seq->prefilled, rows_left);  // rows_left >= 0
       if (n > 0) prompts.push_back({seq.get(), seq->prefilled, n});
       rows_left -= n;
     } else {
@@ -252,7 +251,6 @@ void Engine::Step() {
   if (prompts.empty() && decoding.empty()) return;
   const LlavaModel& model = *model_.model;
   const int crop = model.config().vision.image_size;
-  std::vector<Sequence*> failed;
   try {
     std::vector<SequenceChunk> chunks;
     for (const PromptPart& part : prompts) {
@@ -307,8 +305,8 @@ void Engine::Step() {
     snapshot_.last_batch_size = static_cast<int>(chunks.size());
   } catch (const c10::Error& e) {
     // The failed pass may have appended to some caches: these requests cannot continue.
+    std::vector<Sequence*> failed = decoding;
     for (const PromptPart& part : prompts) failed.push_back(part.seq);
-    failed.insert(failed.end(), decoding.begin(), decoding.end());
     for (Sequence* seq : failed) {
       seq->state->Abort(FinishReason::kError);
       Finish(seq, Internal(std::string("model failure: ") + e.what_without_backtrace()));

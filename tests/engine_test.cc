@@ -89,6 +89,20 @@ class EngineTest : public ::testing::Test {
 };
 LoadedModel* EngineTest::loaded_ = nullptr;
 
+// Submits `reqs` as ids 1..n; stops at the first refusal (fewer collectors than requests).
+std::vector<std::shared_ptr<Collector>> SubmitAll(Engine* engine,
+                                                  const std::vector<GenerationRequest>& reqs) {
+  std::vector<std::shared_ptr<Collector>> out;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    auto c = std::make_shared<Collector>();
+    const Status s = engine->Submit(i + 1, reqs[i], c);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    if (!s.ok()) break;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
 TEST_F(EngineTest, ConcurrentRequestsMatchRunningAlone) {
   std::vector<GenerationRequest> reqs = {
       Request("What is in the image?", 12, true), Request("describe the picture", 9, false),
@@ -100,11 +114,8 @@ TEST_F(EngineTest, ConcurrentRequestsMatchRunningAlone) {
   reqs[3].sampling.temperature = 0.8f;
   reqs[3].sampling.seed = 11;
   Engine engine(*loaded_, EngineOptions{});
-  std::vector<std::shared_ptr<Collector>> out;
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    out.push_back(std::make_shared<Collector>());
-    ASSERT_TRUE(engine.Submit(i + 1, reqs[i], out.back()).ok());
-  }
+  const std::vector<std::shared_ptr<Collector>> out = SubmitAll(&engine, reqs);
+  ASSERT_EQ(out.size(), reqs.size());
   Generator alone(*loaded_, EngineLimits{});
   for (size_t i = 0; i < reqs.size(); ++i) {
     ASSERT_TRUE(out[i]->Wait());
@@ -135,11 +146,8 @@ TEST_F(EngineTest, ChunkedPrefillMatchesRunningAlone) {
   EngineOptions options;
   options.prefill_chunk = 7;
   Engine engine(*loaded_, options);
-  std::vector<std::shared_ptr<Collector>> out;
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    out.push_back(std::make_shared<Collector>());
-    ASSERT_TRUE(engine.Submit(i + 1, reqs[i], out.back()).ok());
-  }
+  const std::vector<std::shared_ptr<Collector>> out = SubmitAll(&engine, reqs);
+  ASSERT_EQ(out.size(), reqs.size());
   Generator alone(*loaded_, EngineLimits{});
   for (size_t i = 0; i < reqs.size(); ++i) {
     ASSERT_TRUE(out[i]->Wait());
