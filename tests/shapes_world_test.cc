@@ -111,5 +111,47 @@ TEST(ShapesWorld, ShortAnswersAgreeWithTheScene) {
   EXPECT_GT(no, 5);
 }
 
+TEST(ShapesWorld, SubsetDescriptionsListExactlyTheMatchingObjects) {
+  Scene s;
+  s.objects = {{0, 0, 0, 0}, {4, 0, 2, 4}, {1, 4, 1, 8}};  // red circle, red star, blue square
+  EXPECT_EQ(DescribeSubset(s, -1, 0).question, "Describe the red objects.");
+  EXPECT_EQ(DescribeSubset(s, -1, 0).answer,
+            "There are 2 red objects: a small red circle at the top left and a large red star in "
+            "the center.");
+  EXPECT_EQ(DescribeSubset(s, 1, -1).answer,
+            "There is 1 square: a medium blue square at the bottom right.");
+  EXPECT_EQ(DescribeSubset(s, -1, 3).answer, "There are 0 green objects.");
+  EXPECT_EQ(DescribeSubset(s, 3, -1).question, "Describe the diamonds.");
+
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    Rng rng(seed);
+    const Scene scene = SampleScene(rng);
+    const std::vector<QA> turns = SampleConversation(scene, rng, 0, 1);
+    ASSERT_GE(turns.size(), 2u);
+    ASSERT_LE(turns.size(), 3u);
+    std::set<std::string> questions;
+    for (const QA& qa : turns) {
+      EXPECT_EQ(qa.kind, "describe-subset");
+      EXPECT_TRUE(questions.insert(qa.question).second) << qa.question;
+      // Every object of the named colour or shape is listed, and only those.
+      int listed = 0;
+      for (const Object& o : scene.objects) {
+        const std::string phrase = std::string(kSizeNames[o.size]) + " " + kColourNames[o.colour] +
+                                   " " + kShapeNames[o.shape] + " " + kCellPhrases[o.cell];
+        const bool named =
+            qa.question.find(std::string(" ") + kColourNames[o.colour] + " ") !=
+                std::string::npos ||
+            qa.question.find(std::string(" ") + kShapePlurals[o.shape] + ".") != std::string::npos;
+        EXPECT_EQ(qa.answer.find(phrase) != std::string::npos, named) << qa.answer;
+        listed += named;
+      }
+      EXPECT_EQ(qa.answer.rfind(
+                    listed == 1 ? "There is 1 " : "There are " + std::to_string(listed) + " ", 0),
+                0u)
+          << qa.answer;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace llava::shapes

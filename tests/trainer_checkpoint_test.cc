@@ -24,12 +24,13 @@ at::Tensor Logits(const LlavaModel& model) {
   return model.Forward({chunk});
 }
 
-TEST(TrainerCheckpoint, SavedWeightsReproduceTheTrainedModel) {
+void CheckRoundTrip(bool tied) {
   ModelOptions f32;
   f32.dtype = DType::kF32;
   auto tiny = LlavaModel::Load(::llava::testing::TestData() + "/tiny-new", f32);
   ASSERT_TRUE(tiny.ok()) << tiny.status().ToString();
-  const LlavaConfig config = (*tiny)->config();
+  LlavaConfig config = (*tiny)->config();
+  config.text.tie_word_embeddings = tied;  // llava-train --tie-embeddings
   const auto init = RandomLlavaWeights(config, 11, at::kFloat, 0.2);
   std::vector<std::pair<std::string, at::Tensor>> copies;
   for (const auto& [name, t] : init) copies.emplace_back(name, t.clone());
@@ -41,15 +42,24 @@ TEST(TrainerCheckpoint, SavedWeightsReproduceTheTrainedModel) {
   for (auto& [name, t] : (*model)->MutableParameters()) t->add_(at::randn_like(*t) * 0.05);
   const at::Tensor trained = Logits(**model);
   ASSERT_GT((trained - before).abs().max().item<double>(), 1e-2);  // the update matters
+  int heads = 0;
+  for (auto& [name, t] : (*model)->MutableParameters()) heads += name == "lm_head.weight";
+  EXPECT_EQ(heads, tied ? 0 : 1);  // a tied head is the embedding matrix, trained once
 
   auto tensors = TrainedCheckpointTensors(**model, init, at::kFloat);
   ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
-  const std::string dir = ::llava::testing::TestData() + "/trained-roundtrip";
+  const std::string dir =
+      ::llava::testing::TestData() + (tied ? "/trained-roundtrip-tied" : "/trained-roundtrip");
   ASSERT_TRUE(WriteLlavaCheckpoint(dir, config, *tensors, TensorNaming::kOld, 1).ok());
   auto loaded = LlavaModel::Load(dir, f32);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ((*loaded)->config().text.tie_word_embeddings, tied);
   EXPECT_LT((Logits(**loaded) - trained).abs().max().item<double>(), 1e-5);
 }
+
+TEST(TrainerCheckpoint, SavedWeightsReproduceTheTrainedModel) { CheckRoundTrip(false); }
+
+TEST(TrainerCheckpoint, TiedEmbeddingsRoundTrip) { CheckRoundTrip(true); }
 
 }  // namespace
 }  // namespace llava

@@ -297,8 +297,47 @@ QA Describe(const Scene& s) {
   return {"describe", "Describe the image in detail.", DescribeText(s)};
 }
 
-std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe) {
-  if (rng.Chance(p_describe)) return {Describe(scene)};
+QA DescribeSubset(const Scene& s, int shape, int colour) {
+  const bool by_colour = colour >= 0;
+  std::vector<const Object*> hits;
+  for (const Object& o : s.objects) {
+    if (by_colour ? o.colour == colour : o.shape == shape) hits.push_back(&o);
+  }
+  const std::string singular =
+      by_colour ? std::string(kColourNames[colour]) + " object" : kShapeNames[shape];
+  const std::string plural =
+      by_colour ? std::string(kColourNames[colour]) + " objects" : kShapePlurals[shape];
+  const size_t n = hits.size();
+  std::string text =
+      n == 1 ? "There is 1 " + singular : "There are " + std::to_string(n) + " " + plural;
+  if (n > 0) text += ": ";
+  for (size_t i = 0; i < n; ++i) {
+    if (i > 0) text += i + 1 == n ? " and " : ", ";
+    text += ObjectPhrase(*hits[i]) + " " + kCellPhrases[hits[i]->cell];
+  }
+  return {"describe-subset", "Describe the " + plural + ".", text + "."};
+}
+
+std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe,
+                                   double p_subset) {
+  const double r = rng.Real();
+  if (r < p_describe) return {Describe(scene)};
+  if (r < p_describe + p_subset) {
+    // Two or three subsets of one attribute (by colour, or by shape): disjoint objects, so no
+    // answer can be copied from an earlier one. Mostly attributes that are present.
+    const bool by_colour = rng.Chance(0.5);
+    const int values = by_colour ? kNumColours : kNumShapes;
+    const int n = 2 + rng.Uniform(2);
+    std::vector<QA> turns;
+    std::set<int> used;
+    for (int tries = 0; static_cast<int>(turns.size()) < n && tries < 8 * n; ++tries) {
+      const Object& o = scene.objects[rng.Uniform(static_cast<int>(scene.objects.size()))];
+      const int v = rng.Chance(0.7) ? (by_colour ? o.colour : o.shape) : rng.Uniform(values);
+      if (!used.insert(v).second) continue;
+      turns.push_back(by_colour ? DescribeSubset(scene, -1, v) : DescribeSubset(scene, v, -1));
+    }
+    return turns;
+  }
   const int n = 3 + rng.Uniform(6);
   std::vector<QA> turns;
   std::set<std::string> asked;

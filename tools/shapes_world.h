@@ -67,9 +67,18 @@ QA AskShortQuestion(const Scene& scene, Rng& rng);
 QA Describe(const Scene& scene);
 std::string DescribeText(const Scene& scene);
 
-// A training conversation: with probability `p_describe` the description alone, otherwise 3-8
-// distinct short questions. Never both: a short answer that follows the description in the
-// same conversation can be copied from its text instead of being read from the image.
-std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe);
+// "Describe the red objects." (colour >= 0) or "Describe the squares." (shape >= 0): how many
+// there are, then each one as in the description ("There are 0 red objects." when none). A
+// training task: it gives the lookup by colour or shape that short questions need the dense
+// supervision that the description gives the lookup by cell (docs/TRAINING.md).
+QA DescribeSubset(const Scene& scene, int shape, int colour);
+
+// A training conversation: with probability `p_describe` the description alone, with
+// probability `p_subset` two or three DescribeSubset turns of one attribute (disjoint objects),
+// otherwise 3-8 distinct short questions. Never descriptions and short questions together: a
+// short answer that follows a description in the same conversation can be copied from its text
+// instead of being read from the image.
+std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe,
+                                   double p_subset = 0);
 
 }  // namespace llava::shapes

@@ -85,11 +85,12 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
 }
 
 Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config, uint64_t seed,
-                    int64_t step, int b, double describe_prob) {
+                    int64_t step, int b, double describe_prob, double subset_prob) {
   for (int attempt = 0;; ++attempt) {
     Rng rng(Mix(seed ^ kSceneStream, static_cast<uint64_t>(step) * 64 + b, attempt));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
-    std::vector<QA> turns = llava::shapes::SampleConversation(scene, rng, describe_prob);
+    std::vector<QA> turns =
+        llava::shapes::SampleConversation(scene, rng, describe_prob, subset_prob);
     Example ex;
     if (!BuildExample(tok, config, turns, &ex)) continue;
     llava::RgbImage img;
@@ -100,13 +101,13 @@ Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& confi
   }
 }
 
-void WriteCorpus(const std::string& path, uint64_t seed, int scenes) {
+void WriteCorpus(const std::string& path, uint64_t seed, int scenes, double subset_prob) {
   std::ofstream out(path);
   out << "USER: ASSISTANT:\n";
   for (int i = 0; i < scenes; ++i) {
     Rng rng(Mix(seed ^ kSceneStream, 1ull << 40 | i));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
-    for (const QA& qa : llava::shapes::SampleConversation(scene, rng, 0.5)) {
+    for (const QA& qa : llava::shapes::SampleConversation(scene, rng, 0.5, subset_prob)) {
       out << "USER: " << qa.question << " ASSISTANT: " << qa.answer << "\n";
     }
   }
@@ -156,7 +157,7 @@ at::Tensor SinCosPositions(const llava::VisionConfig& v, double rms) {
   return out * (rms / std::sqrt(0.5));
 }
 
-llava::LlavaConfig DefaultConfig(const llava::Tokenizer& tok) {
+llava::LlavaConfig DefaultConfig(const llava::Tokenizer& tok, bool tie_embeddings) {
   llava::LlavaConfig c;
   c.vision.hidden_size = 192;
   c.vision.intermediate_size = 768;
@@ -175,6 +176,7 @@ llava::LlavaConfig DefaultConfig(const llava::Tokenizer& tok) {
   c.text.vocab_size = (tok.vocab_size() + 63) / 64 * 64;
   c.text.max_position_embeddings = 1024;
   c.text.rms_norm_eps = 1e-5;
+  c.text.tie_word_embeddings = tie_embeddings;
   c.image_token_index = tok.PieceToId("<image>");
   return c;
 }
@@ -183,12 +185,13 @@ llava::LlavaConfig DefaultConfig(const llava::Tokenizer& tok) {
 
 int main(int argc, char** argv) {
   CLI::App app{"Train the default shapes LLaVA from scratch"};
-  std::string out_dir = "models/shapes-llava";
+  std::string out_dir = "models/shapes-llava", init_dir;
   uint64_t seed = 0;
   int64_t steps = 3000, warmup = 150, save_every = 250;
   int batch = 8, threads = 2, vocab = 512, corpus_scenes = 20000;
-  bool bf16 = true;
+  bool bf16 = true, tie_embeddings = false;
   double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, describe_prob = 0.5;
+  double subset_prob = 0;
   double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
   app.add_option("--out", out_dir, "output llava-hf folder")->capture_default_str();
   app.add_option("--seed", seed, "seed of data, tokenizer corpus and weights")
@@ -210,6 +213,16 @@ int main(int argc, char** argv) {
   app.add_option("--describe-prob", describe_prob,
                  "probability that a training conversation is the description alone")
       ->capture_default_str();
+  app.add_option("--subset-prob", subset_prob,
+                 "probability that a training conversation describes objects of one colour or "
+                 "shape (\"Describe the red objects.\")")
+      ->capture_default_str();
+  app.add_option("--init", init_dir,
+                 "continue from this checkpoint of llava-train (its weights and tokenizer) "
+                 "instead of random weights");
+  app.add_option("--tie-embeddings", tie_embeddings,
+                 "one matrix for the token embeddings and the output head")
+      ->capture_default_str();
   app.add_option("--bf16", bf16, "bf16 autocast for the forward pass")->capture_default_str();
   app.add_option("--max-minutes", minutes, "stop (and save) after this long; 0 = no limit");
   CLI11_PARSE(app, argc, argv);
@@ -217,14 +230,21 @@ int main(int argc, char** argv) {
   torch::manual_seed(seed);
 
   if (std::system(("mkdir -p '" + out_dir + "'").c_str()) != 0) return 1;
-  const std::string corpus = out_dir + "/.corpus.txt";
-  WriteCorpus(corpus, seed, corpus_scenes);
-  auto tok = llava::TrainTokenizer(corpus, out_dir, vocab);
+  auto tok = [&]() -> llava::StatusOr<std::unique_ptr<llava::Tokenizer>> {
+    if (!init_dir.empty()) {  // continue training a model of ours: its tokenizer, its weights
+      const std::string cp = "cp '" + init_dir + "/tokenizer.model' '" + out_dir + "/'";
+      if (std::system(cp.c_str()) != 0) return llava::InvalidArgument("--init: no tokenizer");
+      return llava::Tokenizer::Load(out_dir + "/tokenizer.model");
+    }
+    const std::string corpus = out_dir + "/.corpus.txt";
+    WriteCorpus(corpus, seed, corpus_scenes, subset_prob);
+    return llava::TrainTokenizer(corpus, out_dir, vocab);
+  }();
   if (!tok.ok()) {
     std::fprintf(stderr, "%s\n", tok.status().ToString().c_str());
     return 1;
   }
-  const llava::LlavaConfig config = DefaultConfig(**tok);
+  const llava::LlavaConfig config = DefaultConfig(**tok, tie_embeddings);
   auto init = llava::RandomLlavaWeights(config, seed, at::kFloat, 0.02);
   {
     // LLaMA/CLIP-style small initial embeddings (the test checkpoints' N(0, 1) token
@@ -238,6 +258,19 @@ int main(int argc, char** argv) {
       if (name == "vision.embeddings.position_embedding.weight" && pos_rms > 0) {
         t.copy_(SinCosPositions(config.vision, pos_rms));
       }
+    }
+  }
+  if (!init_dir.empty()) {
+    auto reader = llava::CheckpointReader::Open(init_dir);
+    llava::Status st = reader.ok() ? llava::Status() : reader.status();
+    for (auto& [name, t] : init) {
+      if (!st.ok()) break;
+      st = (*reader)->Take(name, t.sizes().vec(), llava::DType::kF32, "cpu", &t);
+      if (st.ok()) t = t.clone();  // the reader's mapping goes away below
+    }
+    if (!st.ok()) {
+      std::fprintf(stderr, "--init %s: %s\n", init_dir.c_str(), st.ToString().c_str());
+      return 1;
     }
   }
   llava::ModelOptions options;
@@ -305,7 +338,7 @@ int main(int argc, char** argv) {
     std::vector<float> pixels;
     std::vector<int64_t> labels;
     for (int b = 0; b < batch; ++b) {
-      examples.push_back(MakeExample(**tok, config, seed, step, b, describe_prob));
+      examples.push_back(MakeExample(**tok, config, seed, step, b, describe_prob, subset_prob));
       pixels.insert(pixels.end(), examples.back().pixels.begin(), examples.back().pixels.end());
       labels.insert(labels.end(), examples.back().labels.begin(), examples.back().labels.end());
     }
