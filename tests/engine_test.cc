@@ -103,6 +103,25 @@ std::vector<std::shared_ptr<Collector>> SubmitAll(Engine* engine,
   return out;
 }
 
+// Every engine answer equals the same request run alone by the Generator: tokens, text, kept
+// bytes and merges.
+void ExpectSameAsAlone(const LoadedModel& model, const std::vector<GenerationRequest>& reqs,
+                       const std::vector<std::shared_ptr<Collector>>& out) {
+  ASSERT_EQ(out.size(), reqs.size());
+  Generator alone(model, EngineLimits{});
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(out[i]->Wait());
+    ASSERT_TRUE(out[i]->result_.has_value()) << out[i]->status_.ToString();
+    auto ref = alone.Generate(reqs[i], nullptr);
+    ASSERT_TRUE(ref.ok());
+    EXPECT_EQ(out[i]->result_->tokens, ref->tokens) << "request " << i;
+    EXPECT_EQ(out[i]->text_, ref->text) << "request " << i;
+    EXPECT_EQ(out[i]->result_->text, ref->text) << "request " << i;
+    EXPECT_EQ(out[i]->result_->kv.bytes_kept, ref->kv.bytes_kept) << "request " << i;
+    EXPECT_EQ(out[i]->result_->kv.tokens_merged, ref->kv.tokens_merged) << "request " << i;
+  }
+}
+
 TEST_F(EngineTest, ConcurrentRequestsMatchRunningAlone) {
   std::vector<GenerationRequest> reqs = {
       Request("What is in the image?", 12, true), Request("describe the picture", 9, false),
@@ -115,18 +134,7 @@ TEST_F(EngineTest, ConcurrentRequestsMatchRunningAlone) {
   reqs[3].sampling.seed = 11;
   Engine engine(*loaded_, EngineOptions{});
   const std::vector<std::shared_ptr<Collector>> out = SubmitAll(&engine, reqs);
-  ASSERT_EQ(out.size(), reqs.size());
-  Generator alone(*loaded_, EngineLimits{});
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    ASSERT_TRUE(out[i]->Wait());
-    ASSERT_TRUE(out[i]->result_.has_value()) << out[i]->status_.ToString();
-    auto ref = alone.Generate(reqs[i], nullptr);
-    ASSERT_TRUE(ref.ok());
-    EXPECT_EQ(out[i]->result_->tokens, ref->tokens) << "request " << i;
-    EXPECT_EQ(out[i]->text_, ref->text) << "request " << i;
-    EXPECT_EQ(out[i]->result_->text, ref->text);
-    EXPECT_EQ(out[i]->result_->kv.bytes_kept, ref->kv.bytes_kept);
-  }
+  ExpectSameAsAlone(*loaded_, reqs, out);
   EXPECT_GE(engine.Snapshot().last_batch_size, 1);
   EXPECT_EQ(engine.Snapshot().kv_bytes_used, 0);
 }
@@ -147,17 +155,10 @@ TEST_F(EngineTest, ChunkedPrefillMatchesRunningAlone) {
   options.prefill_chunk = 7;
   Engine engine(*loaded_, options);
   const std::vector<std::shared_ptr<Collector>> out = SubmitAll(&engine, reqs);
-  ASSERT_EQ(out.size(), reqs.size());
-  Generator alone(*loaded_, EngineLimits{});
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    ASSERT_TRUE(out[i]->Wait());
-    ASSERT_TRUE(out[i]->result_.has_value()) << out[i]->status_.ToString();
-    auto ref = alone.Generate(reqs[i], nullptr);
-    ASSERT_TRUE(ref.ok());
-    ASSERT_GT(ref->prompt_tokens, 7) << "the prompt must span several turns";
-    EXPECT_EQ(out[i]->result_->tokens, ref->tokens) << "request " << i;
-    EXPECT_EQ(out[i]->result_->kv.bytes_kept, ref->kv.bytes_kept) << "request " << i;
-    EXPECT_EQ(out[i]->result_->kv.tokens_merged, ref->kv.tokens_merged) << "request " << i;
+  ExpectSameAsAlone(*loaded_, reqs, out);
+  for (const auto& c : out) {
+    ASSERT_TRUE(c->result_.has_value());
+    EXPECT_GT(c->result_->prompt_tokens, 7) << "the prompt must span several turns";
   }
   const EngineSnapshot snap = engine.Snapshot();
   EXPECT_EQ(snap.kv_bytes_used, 0);

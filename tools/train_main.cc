@@ -16,12 +16,14 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 
 #include "engine/chat_template.h"
 #include "engine/image_io.h"
 #include "engine/llava_model.h"
+#include "engine/model_config.h"
 #include "engine/runtime.h"
 #include "engine/tokenizer.h"
 #include "engine/weights.h"
@@ -218,8 +220,8 @@ int main(int argc, char** argv) {
                  "shape (\"Describe the red objects.\")")
       ->capture_default_str();
   app.add_option("--init", init_dir,
-                 "continue from this checkpoint of llava-train (its weights and tokenizer) "
-                 "instead of random weights");
+                 "continue from this checkpoint of llava-train (its config, weights and "
+                 "tokenizer) instead of random weights");
   app.add_option("--tie-embeddings", tie_embeddings,
                  "one matrix for the token embeddings and the output head")
       ->capture_default_str();
@@ -232,8 +234,10 @@ int main(int argc, char** argv) {
   if (std::system(("mkdir -p '" + out_dir + "'").c_str()) != 0) return 1;
   auto tok = [&]() -> llava::StatusOr<std::unique_ptr<llava::Tokenizer>> {
     if (!init_dir.empty()) {  // continue training a model of ours: its tokenizer, its weights
-      const std::string cp = "cp '" + init_dir + "/tokenizer.model' '" + out_dir + "/'";
-      if (std::system(cp.c_str()) != 0) return llava::InvalidArgument("--init: no tokenizer");
+      std::error_code ec;
+      std::filesystem::copy_file(init_dir + "/tokenizer.model", out_dir + "/tokenizer.model",
+                                 std::filesystem::copy_options::overwrite_existing, ec);
+      if (ec) return llava::InvalidArgument("--init: tokenizer.model: " + ec.message());
       return llava::Tokenizer::Load(out_dir + "/tokenizer.model");
     }
     const std::string corpus = out_dir + "/.corpus.txt";
@@ -244,7 +248,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", tok.status().ToString().c_str());
     return 1;
   }
-  const llava::LlavaConfig config = DefaultConfig(**tok, tie_embeddings);
+  auto config_or = init_dir.empty()
+                       ? llava::StatusOr<llava::LlavaConfig>(DefaultConfig(**tok, tie_embeddings))
+                       : llava::LoadLlavaConfig(init_dir);
+  if (!config_or.ok()) {
+    std::fprintf(stderr, "--init %s: %s\n", init_dir.c_str(),
+                 config_or.status().ToString().c_str());
+    return 1;
+  }
+  const llava::LlavaConfig config = *config_or;
   auto init = llava::RandomLlavaWeights(config, seed, at::kFloat, 0.02);
   {
     // LLaMA/CLIP-style small initial embeddings (the test checkpoints' N(0, 1) token
