@@ -3,6 +3,11 @@
 
   scripts/colour_probe.py make HELDOUT_DIR OUT.jsonl   # questions for llava-eval --dataset
   scripts/colour_probe.py score ITEMS.jsonl            # llava-eval --items output
+  scripts/colour_probe.py grouped HELDOUT_DIR OUT.jsonl  # "List the objects by color." items
+
+`grouped` writes the held-out references of the by-colour list (llava-train --grouped-prob,
+DescribeByColour in tools/shapes_world.cc), rebuilt from each description's text; `score` then
+also prints how many of those answers match their reference exactly.
 
 `make` asks "How many <colour> objects are there?" for all 8 colours about every held-out image
 that has a description (references from its text). `score` prints exact match, the zero counts,
@@ -30,9 +35,35 @@ def make(heldout, out_path):
                                       "answer": str(found.count(c)), "kind": "colour-count"}) + "\n")
 
 
+OBJECT = r"a (small|medium|large) (\w+) (\w+) ((?:at|on|in) the (?:top left|top right|bottom left|bottom right|top|bottom|left|right|center))"
+
+
+def grouped(heldout, out_path):
+    with open(out_path, "w") as out:
+        for line in open(os.path.join(heldout, "eval.jsonl")):
+            j = json.loads(line)
+            if j["kind"] != "describe":
+                continue
+            objects = re.findall(OBJECT, j["answer"])  # row-major, as the description lists them
+            groups = []
+            for c in COLOURS:
+                hits = [f"a {size} {shape} {where}" for size, colour, shape, where in objects if colour == c]
+                if hits:
+                    listed = hits[0] if len(hits) == 1 else ", ".join(hits[:-1]) + " and " + hits[-1]
+                    groups.append(f"{c}: {listed}")
+            out.write(json.dumps({"image": j["image"], "prompt": "List the objects by color.",
+                                  "answer": "; ".join(groups) + ".", "kind": "describe-by-colour"}) + "\n")
+
+
 def score(items_path):
     rows = [json.loads(line) for line in open(items_path)]
+    lists = [r for r in rows if r["kind"] == "describe-by-colour"]
+    if lists:
+        exact = sum(r["answer"].strip() == r["reference"].strip() for r in lists)
+        print(f"by-colour lists: exact {exact}/{len(lists)}")
     rows = [r for r in rows if r["kind"] == "colour-count"]
+    if not rows:
+        return
     by_image = collections.defaultdict(set)
     for r in rows:
         by_image[r["sample"] // len(COLOURS)].add(r["answer"])
@@ -46,5 +77,7 @@ def score(items_path):
 if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "grouped":
+        grouped(sys.argv[2], sys.argv[3])
     else:
         score(sys.argv[2])

@@ -153,5 +153,74 @@ TEST(ShapesWorld, SubsetDescriptionsListExactlyTheMatchingObjects) {
   }
 }
 
+TEST(ShapesWorld, ByColourListsGroupEveryObjectUnderItsColour) {
+  Scene s;
+  // blue square (top left), red star (center), red circle (bottom right), black diamond (top)
+  s.objects = {{1, 4, 1, 0}, {3, 7, 0, 1}, {4, 0, 2, 4}, {0, 0, 0, 8}};
+  const QA qa = DescribeByColour(s);
+  EXPECT_EQ(qa.question, "List the objects by color.");
+  // Colours in kColourNames order (red before blue before black), each group row-major.
+  EXPECT_EQ(qa.answer,
+            "red: a large star in the center and a small circle at the bottom right; blue: a "
+            "medium square at the top left; black: a small diamond at the top.");
+
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    Rng rng(seed);
+    const Scene scene = SampleScene(rng);
+    const std::vector<QA> turns = SampleConversation(scene, rng, 0, 0, 1);
+    ASSERT_EQ(turns.size(), 1u);
+    EXPECT_EQ(turns[0].kind, "describe-by-colour");
+    // Every object appears once, after its own colour's header and before the next header.
+    for (const Object& o : scene.objects) {
+      const std::string phrase =
+          std::string(kSizeNames[o.size]) + " " + kShapeNames[o.shape] + " " + kCellPhrases[o.cell];
+      // The whole phrase: "small square at the bottom" is also a prefix of "... bottom left".
+      const std::string& text = turns[0].answer;
+      size_t at = text.find(phrase);
+      auto ends_there = [&](size_t a) {
+        const std::string rest = text.substr(a + phrase.size());
+        return rest.rfind(",", 0) == 0 || rest.rfind(";", 0) == 0 || rest.rfind(".", 0) == 0 ||
+               rest.rfind(" and ", 0) == 0;
+      };
+      while (at != std::string::npos && !ends_there(at)) at = text.find(phrase, at + 1);
+      ASSERT_NE(at, std::string::npos) << text;
+      const std::string before = turns[0].answer.substr(0, at);
+      const size_t header = before.rfind(':');
+      ASSERT_NE(header, std::string::npos);
+      const size_t start =
+          before.rfind("; ", header) == std::string::npos ? 0 : before.rfind("; ", header) + 2;
+      EXPECT_EQ(before.substr(start, header - start), kColourNames[o.colour]) << turns[0].answer;
+    }
+  }
+}
+
+TEST(ShapesWorld, NamedObjectsAreTheOnesTheQuestionRefersTo) {
+  Scene s;
+  // blue square (top left), black diamond (top), red star (center), red circle (bottom right)
+  s.objects = {{1, 4, 1, 0}, {3, 7, 0, 1}, {4, 0, 2, 4}, {0, 0, 0, 8}};
+  using V = std::vector<int>;
+  EXPECT_EQ(NamedObjects(s, "What shape is the red object?"), (V{2, 3}));
+  EXPECT_EQ(NamedObjects(s, "What color is the diamond?"), (V{1}));
+  EXPECT_EQ(NamedObjects(s, "How many squares are there?"), (V{0}));
+  EXPECT_EQ(NamedObjects(s, "Is there a red circle?"), (V{3}));
+  EXPECT_EQ(NamedObjects(s, "Is there a blue circle?"), V{});
+  EXPECT_EQ(NamedObjects(s, "Which is larger, the red star or the blue square?"), (V{0, 2}));
+  EXPECT_EQ(NamedObjects(s, "What is at the top left?"), (V{0}));  // not "at the top"
+  EXPECT_EQ(NamedObjects(s, "What is at the top?"), (V{1}));
+  EXPECT_EQ(NamedObjects(s, "What is on the left?"), V{});
+  EXPECT_EQ(NamedObjects(s, "How many objects are there?"), V{});
+  EXPECT_EQ(NamedObjects(s, "Describe the image in detail."), V{});
+
+  // Patches on a 12 x 12 grid of 8 px at 96 px. A large object in the center cell (centre
+  // 48, 48; radius 15, 0.8 of it 12): the patch centres 44 and 52 in each axis are sqrt(32)
+  // away, the next ring (36 or 60 in one axis) sqrt(160) > 12, so rows and columns 5..6. A small
+  // one (radius 6, 4.8) covers only the patch under its centre.
+  V center = ObjectPatches(s.objects[2], 96, 12);
+  EXPECT_EQ(center, (V{65, 66, 77, 78}));
+  EXPECT_EQ(ObjectPatches(s.objects[3], 96, 12), (V{10 * 12 + 10}));  // centre 80, 80
+  // The same object at twice the resolution covers the same part of the image.
+  EXPECT_EQ(ObjectPatches(s.objects[2], 192, 12), center);
+}
+
 }  // namespace
 }  // namespace llava::shapes

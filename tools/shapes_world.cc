@@ -1,6 +1,7 @@
 #include "tools/shapes_world.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <opencv2/core.hpp>
 #include <opencv2/imgcodecs.hpp>
@@ -318,10 +319,96 @@ QA DescribeSubset(const Scene& s, int shape, int colour) {
   return {"describe-subset", "Describe the " + plural + ".", text + "."};
 }
 
-std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe,
-                                   double p_subset) {
+std::vector<int> NamedObjects(const Scene& s, const std::string& question) {
+  std::vector<std::string> words(1);
+  for (char ch : question) {
+    if (std::isalpha(static_cast<unsigned char>(ch))) {
+      words.back() += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    } else if (!words.back().empty()) {
+      words.emplace_back();
+    }
+  }
+  auto find = [](const char* const* names, int n, const std::string& w) {
+    for (int i = 0; i < n; ++i) {
+      if (w == names[i]) return i;
+    }
+    return -1;
+  };
+  auto shape_of = [&](const std::string& w) {
+    const int sh = find(kShapeNames, kNumShapes, w);
+    return sh >= 0 ? sh : find(kShapePlurals, kNumShapes, w);
+  };
+  std::vector<std::pair<int, int>> named;  // (colour or -1, shape or -1)
+  for (size_t i = 0; i < words.size(); ++i) {
+    const int c = find(kColourNames, kNumColours, words[i]);
+    const int sh = shape_of(words[i]);
+    if (c >= 0) {
+      const int next = i + 1 < words.size() ? shape_of(words[i + 1]) : -1;
+      named.emplace_back(c, next);
+      if (next >= 0) ++i;
+    } else if (sh >= 0) {
+      named.emplace_back(-1, sh);
+    }
+  }
+  int cell = -1;
+  size_t longest = 0;
+  for (int k = 0; k < kNumCells && named.empty(); ++k) {
+    const std::string phrase = kCellPhrases[k];
+    if (phrase.size() > longest && question.find(phrase) != std::string::npos) {
+      cell = k;
+      longest = phrase.size();
+    }
+  }
+  std::vector<int> out;
+  for (size_t i = 0; i < s.objects.size(); ++i) {
+    const Object& o = s.objects[i];
+    bool hit = o.cell == cell;
+    for (const auto& [c, sh] : named) hit |= (c < 0 || o.colour == c) && (sh < 0 || o.shape == sh);
+    if (hit) out.push_back(static_cast<int>(i));
+  }
+  return out;
+}
+
+std::vector<int> ObjectPatches(const Object& o, int size, int grid) {
+  const double k = size / 96.0, step = double(size) / grid;
+  const double cx = k * (16 + 32 * (o.cell % 3) + o.dx), cy = k * (16 + 32 * (o.cell / 3) + o.dy);
+  const double r = 0.8 * k * kRadius[o.size];
+  std::vector<int> out;
+  for (int row = 0; row < grid; ++row) {
+    for (int col = 0; col < grid; ++col) {
+      const double px = (col + 0.5) * step - cx, py = (row + 0.5) * step - cy;
+      const bool under_centre = std::floor(cx / step) == col && std::floor(cy / step) == row;
+      if (under_centre || px * px + py * py <= r * r) out.push_back(row * grid + col);
+    }
+  }
+  return out;
+}
+
+QA DescribeByColour(const Scene& s) {
+  std::string text;
+  for (int c = 0; c < kNumColours; ++c) {
+    std::vector<const Object*> hits;
+    for (const Object& o : s.objects) {
+      if (o.colour == c) hits.push_back(&o);
+    }
+    if (hits.empty()) continue;
+    text += (text.empty() ? "" : "; ") + std::string(kColourNames[c]) + ": ";
+    for (size_t i = 0; i < hits.size(); ++i) {
+      if (i > 0) text += i + 1 == hits.size() ? " and " : ", ";
+      text += std::string("a ") + kSizeNames[hits[i]->size] + " " + kShapeNames[hits[i]->shape] +
+              " " + kCellPhrases[hits[i]->cell];
+    }
+  }
+  return {"describe-by-colour", "List the objects by color.", text + "."};
+}
+
+std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe, double p_subset,
+                                   double p_grouped) {
   const double r = rng.Real();
   if (r < p_describe) return {Describe(scene)};
+  if (p_grouped > 0 && r >= p_describe + p_subset && r < p_describe + p_subset + p_grouped) {
+    return {DescribeByColour(scene)};
+  }
   if (r < p_describe + p_subset) {
     // Two or three subsets of one attribute (by colour, or by shape): disjoint objects, so no
     // answer can be copied from an earlier one. Mostly attributes that are present.

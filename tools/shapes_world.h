@@ -73,12 +73,27 @@ std::string DescribeText(const Scene& scene);
 // supervision that the description gives the lookup by cell (docs/TRAINING.md).
 QA DescribeSubset(const Scene& scene, int shape, int colour);
 
+// "List the objects by color." and every object grouped by colour (in kColourNames order, each
+// group row-major), the colour first: "red: a large circle at the top left and a small star in
+// the center; blue: a medium square at the bottom right." A training task: the model writes
+// the colour word itself (read from the image), and the next object's size, shape and cell must
+// then be looked up by that colour, with dense supervision (docs/TRAINING.md).
+QA DescribeByColour(const Scene& scene);
+
+// The objects a question names, as indices into scene.objects: every "<colour> <shape>" pair,
+// else a colour or a shape alone, else a cell phrase ("at the top left"). Empty for questions
+// about the whole image and when nothing matches. For llava-train's attention supervision.
+std::vector<int> NamedObjects(const Scene& scene, const std::string& question);
+// The patches (row-major indices on a grid x grid patch grid of a size x size image) whose
+// centre lies inside 0.8 of object `o`'s radius; at least the patch under its centre.
+std::vector<int> ObjectPatches(const Object& o, int size, int grid);
+
 // A training conversation: with probability `p_describe` the description alone, with
 // probability `p_subset` two or three DescribeSubset turns of one attribute (disjoint objects),
-// otherwise 3-8 distinct short questions. Never descriptions and short questions together: a
-// short answer that follows a description in the same conversation can be copied from its text
-// instead of being read from the image.
+// with probability `p_grouped` DescribeByColour alone, otherwise 3-8 distinct short questions.
+// Never descriptions and short questions together: a short answer that follows a description in the
+// same conversation can be copied from its text instead of being read from the image.
 std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe,
-                                   double p_subset = 0);
+                                   double p_subset = 0, double p_grouped = 0);
 
 }  // namespace llava::shapes

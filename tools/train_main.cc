@@ -27,6 +27,7 @@
 #include "engine/runtime.h"
 #include "engine/tokenizer.h"
 #include "engine/weights.h"
+#include "tools/attention_supervision.h"
 #include "tools/checkpoint_writer.h"
 #include "tools/shapes_world.h"
 
@@ -48,13 +49,15 @@ struct Example {
   std::vector<int> labels;  // labels[t] = id predicted from position t (kIgnore if none)
   std::vector<int> image_offsets;
   std::vector<float> pixels;  // [3, S, S]
+  // Attention supervision: each short answer's objects (tools/attention_supervision.h).
+  std::vector<llava::AttentionTarget> attn_targets;
 };
 
 // Builds the token ids of a whole conversation and marks the answer tokens. The template is
 // prefix-stable: the prompt up to turn i's "ASSISTANT:" is a prefix of the whole conversation,
 // and turn i's answer runs from there to its </s>.
 bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
-                  const std::vector<QA>& turns, Example* ex) {
+                  const llava::shapes::Scene& scene, const std::vector<QA>& turns, Example* ex) {
   std::vector<llava::ChatMessage> messages;
   std::vector<size_t> answer_starts;
   for (size_t i = 0; i < turns.size(); ++i) {
@@ -83,18 +86,31 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
   ex->ids.assign(all->ids.begin(), all->ids.begin() + end);
   ex->labels.resize(end);
   ex->image_offsets = all->image_offsets;
+  const int size = config.vision.image_size, grid = size / config.vision.patch_size;
+  for (size_t i = 0; i < turns.size(); ++i) {
+    std::vector<int64_t> columns;
+    for (int o : llava::shapes::NamedObjects(scene, turns[i].question)) {
+      for (int p : llava::shapes::ObjectPatches(scene.objects[o], size, grid)) {
+        columns.push_back(ex->image_offsets[0] + p);
+      }
+    }
+    if (columns.empty()) continue;
+    ex->attn_targets.push_back(
+        {static_cast<int64_t>(answer_starts[i]) - 1, std::move(columns), turns[i].kind});
+  }
   return true;
 }
 
 Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config, uint64_t seed,
-                    int64_t step, int b, double describe_prob, double subset_prob) {
+                    int64_t step, int b, double describe_prob, double subset_prob,
+                    double grouped_prob) {
   for (int attempt = 0;; ++attempt) {
     Rng rng(Mix(seed ^ kSceneStream, static_cast<uint64_t>(step) * 64 + b, attempt));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
     std::vector<QA> turns =
-        llava::shapes::SampleConversation(scene, rng, describe_prob, subset_prob);
+        llava::shapes::SampleConversation(scene, rng, describe_prob, subset_prob, grouped_prob);
     Example ex;
-    if (!BuildExample(tok, config, turns, &ex)) continue;
+    if (!BuildExample(tok, config, scene, turns, &ex)) continue;
     llava::RgbImage img;
     img.width = img.height = config.vision.image_size;
     img.pixels = llava::shapes::RenderScene(scene, img.width, rng.Next());
@@ -103,13 +119,15 @@ Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& confi
   }
 }
 
-void WriteCorpus(const std::string& path, uint64_t seed, int scenes, double subset_prob) {
+void WriteCorpus(const std::string& path, uint64_t seed, int scenes, double subset_prob,
+                 double grouped_prob) {
   std::ofstream out(path);
   out << "USER: ASSISTANT:\n";
   for (int i = 0; i < scenes; ++i) {
     Rng rng(Mix(seed ^ kSceneStream, 1ull << 40 | i));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
-    for (const QA& qa : llava::shapes::SampleConversation(scene, rng, 0.5, subset_prob)) {
+    for (const QA& qa :
+         llava::shapes::SampleConversation(scene, rng, 0.5, subset_prob, grouped_prob)) {
       out << "USER: " << qa.question << " ASSISTANT: " << qa.answer << "\n";
     }
   }
@@ -193,7 +211,9 @@ int main(int argc, char** argv) {
   int batch = 8, threads = 2, vocab = 512, corpus_scenes = 20000;
   bool bf16 = true, tie_embeddings = false;
   double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, describe_prob = 0.5;
-  double subset_prob = 0;
+  double subset_prob = 0, grouped_prob = 0, attn_weight = 0;
+  bool attn_report = false;
+  std::vector<int> attn_layers = {1, 2};
   double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
   app.add_option("--out", out_dir, "output llava-hf folder")->capture_default_str();
   app.add_option("--seed", seed, "seed of data, tokenizer corpus and weights")
@@ -219,6 +239,20 @@ int main(int argc, char** argv) {
                  "probability that a training conversation describes objects of one colour or "
                  "shape (\"Describe the red objects.\")")
       ->capture_default_str();
+  app.add_option("--grouped-prob", grouped_prob,
+                 "probability that a training conversation lists the objects grouped by colour "
+                 "(\"List the objects by color.\")")
+      ->capture_default_str();
+  app.add_option("--attn-weight", attn_weight,
+                 "weight of the attention supervision: head 0 of --attn-layers attends from each "
+                 "short answer to the objects its question names (0 = off)")
+      ->capture_default_str();
+  app.add_option("--attn-layers", attn_layers, "decoder layers whose head 0 is supervised")
+      ->capture_default_str();
+  app.add_option("--attn-report", attn_report,
+                 "print, at the end, every head's attention mass on the named objects in "
+                 "--attn-layers per question kind (with --lr 0: a probe of any checkpoint)")
+      ->capture_default_str();
   app.add_option("--init", init_dir,
                  "continue from this checkpoint of llava-train (its config, weights and "
                  "tokenizer) instead of random weights");
@@ -241,7 +275,7 @@ int main(int argc, char** argv) {
       return llava::Tokenizer::Load(out_dir + "/tokenizer.model");
     }
     const std::string corpus = out_dir + "/.corpus.txt";
-    WriteCorpus(corpus, seed, corpus_scenes, subset_prob);
+    WriteCorpus(corpus, seed, corpus_scenes, subset_prob, grouped_prob);
     return llava::TrainTokenizer(corpus, out_dir, vocab);
   }();
   if (!tok.ok()) {
@@ -329,7 +363,8 @@ int main(int argc, char** argv) {
   };
 
   const auto t0 = std::chrono::steady_clock::now();
-  double ema_loss = 0, t_data = 0, t_forward = 0, t_backward = 0, t_update = 0;
+  llava::AttentionReport report;
+  double ema_loss = 0, ema_attn = 0, t_data = 0, t_forward = 0, t_backward = 0, t_update = 0;
   int64_t tokens_done = 0;
   for (int64_t step = 0; step < steps; ++step) {
     const double warm = std::min(1.0, (step + 1.0) / warmup);
@@ -350,7 +385,8 @@ int main(int argc, char** argv) {
     std::vector<float> pixels;
     std::vector<int64_t> labels;
     for (int b = 0; b < batch; ++b) {
-      examples.push_back(MakeExample(**tok, config, seed, step, b, describe_prob, subset_prob));
+      examples.push_back(
+          MakeExample(**tok, config, seed, step, b, describe_prob, subset_prob, grouped_prob));
       pixels.insert(pixels.end(), examples.back().pixels.begin(), examples.back().pixels.end());
       labels.insert(labels.end(), examples.back().labels.begin(), examples.back().labels.end());
     }
@@ -362,8 +398,14 @@ int main(int argc, char** argv) {
     at::Tensor features = model.EncodeImages(pv);  // [B, N, D]
     std::vector<std::unique_ptr<llava::KvCache>> caches;
     std::vector<llava::SequenceChunk> chunks;
+    std::vector<at::Tensor> attn_terms;  // one per supervised answer and layer
     for (int b = 0; b < batch; ++b) {
       caches.push_back(model.NewFullCache());
+      if (attn_weight > 0 || attn_report) {
+        caches.back() = llava::NewSupervisedAttentionCache(std::move(caches.back()), attn_layers,
+                                                           examples[b].attn_targets, &attn_terms,
+                                                           attn_report ? &report : nullptr);
+      }
       llava::SequenceChunk c;
       c.embeds =
           model.EmbedPrompt(examples[b].ids, examples[b].image_offsets, features.narrow(0, b, 1));
@@ -374,6 +416,13 @@ int main(int argc, char** argv) {
     at::Tensor logits = model.Forward(chunks);
     at::Tensor target = at::tensor(labels, at::kLong);
     at::Tensor loss = at::cross_entropy_loss(logits, target, {}, at::Reduction::Mean, kIgnore);
+    const double lm_loss = loss.item<double>();
+    double attn_loss = 0;
+    if (attn_weight > 0 && !attn_terms.empty()) {
+      at::Tensor a = at::stack(attn_terms).mean();
+      attn_loss = a.item<double>();
+      loss = loss + attn_weight * a;
+    }
     autocast.reset();
     lap(&t_forward);
     optimizer.zero_grad();
@@ -385,17 +434,19 @@ int main(int argc, char** argv) {
     lap(&t_update);
 
     tokens_done += static_cast<int64_t>(labels.size());
-    const double l = loss.item<double>();
+    const double l = lm_loss;
     ema_loss = step == 0 ? l : 0.95 * ema_loss + 0.05 * l;
+    ema_attn = step == 0 ? attn_loss : 0.95 * ema_attn + 0.05 * attn_loss;
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (step % 10 == 0 || step + 1 == steps) {
       const double eta = elapsed / (step + 1) * (steps - step - 1);
       std::printf(
           "step %5lld/%lld  loss %.4f (ema %.4f)  lr %.2e  %.0f tok/s  elapsed %.1f min  ETA %.1f "
-          "min\n",
+          "min%s\n",
           static_cast<long long>(step + 1), static_cast<long long>(steps), l, ema_loss, cur_lr,
-          tokens_done / elapsed, elapsed / 60, eta / 60);
+          tokens_done / elapsed, elapsed / 60, eta / 60,
+          attn_weight > 0 ? ("  attention " + std::to_string(ema_attn)).c_str() : "");
       if (step % 100 == 0) {
         std::printf(
             "  time per step: data %.3f s, forward %.3f s, backward %.3f s, update %.3f s\n",
@@ -410,5 +461,6 @@ int main(int argc, char** argv) {
       break;
     }
   }
+  if (attn_report) llava::PrintAttentionReport(report);
   return save("final") ? 0 : 1;
 }

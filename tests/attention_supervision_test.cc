@@ -1,0 +1,83 @@
+// llava-train's attention supervision (tools/attention_supervision.h): the wrapped cache leaves
+// the forward pass unchanged, its mass is a probability over the row's visible entries, and its
+// term depends only on the layers up to the supervised one.
+#include "tools/attention_supervision.h"
+
+#include <gtest/gtest.h>
+
+#include "engine/llava_model.h"
+#include "engine/weights.h"
+#include "tests/test_util.h"
+#include "tools/checkpoint_writer.h"
+
+namespace llava {
+namespace {
+
+TEST(AttentionSupervision, SameLogitsTermsFromTheSupervisedLayerOnly) {
+  ModelOptions f32;
+  f32.dtype = DType::kF32;
+  auto tiny = LlavaModel::Load(::llava::testing::TestData() + "/tiny-new", f32);
+  ASSERT_TRUE(tiny.ok()) << tiny.status().ToString();
+  const LlavaConfig config = (*tiny)->config();
+  ASSERT_GE(config.text.num_hidden_layers, 2);
+  std::vector<std::pair<std::string, at::Tensor>> weights;
+  for (const auto& [name, t] : RandomLlavaWeights(config, 11, at::kFloat, 0.2)) {
+    weights.emplace_back(name, t.clone());
+  }
+  auto model = LlavaModel::FromWeights(config, NewTensorMapSource(weights), f32);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  for (auto& [name, t] : (*model)->MutableParameters()) t->requires_grad_(true);
+
+  at::manual_seed(3);
+  const at::Tensor pixels = at::randn({1, 3, config.vision.image_size, config.vision.image_size});
+  std::vector<int> ids = {1, 5, 9};
+  ids.insert(ids.end(), config.image_tokens(), config.image_token_index);
+  ids.insert(ids.end(), {17, 23, 4, 8});
+  const int64_t n = static_cast<int64_t>(ids.size());
+  auto run = [&](std::unique_ptr<KvCache> cache) {
+    SequenceChunk chunk{(*model)->EmbedPrompt(ids, {3}, (*model)->EncodeImages(pixels)), 0,
+                        cache.get(), true};
+    return (*model)->Forward({chunk});
+  };
+  const at::Tensor plain = run((*model)->NewFullCache()).detach();
+
+  std::vector<AttentionTarget> targets = {
+      {n - 2, {3, 4, 5, 10}, "colour"},  // a few image rows
+      {n - 3, {}, "all"},                // every entry row n - 3 can see: mass 1
+  };
+  for (int64_t c = 0; c <= n - 3; ++c) targets[1].columns.push_back(c);
+  std::vector<at::Tensor> terms;
+  AttentionReport report;
+  const at::Tensor logits =
+      run(NewSupervisedAttentionCache((*model)->NewFullCache(), {0}, targets, &terms, &report));
+  EXPECT_LT((logits.detach() - plain).abs().max().item<double>(), 1e-6);
+
+  ASSERT_EQ(terms.size(), 2u);  // one per target in the one supervised layer
+  const auto& some = report.at({0, "colour"});
+  const auto& all = report.at({0, "all"});
+  ASSERT_EQ(some.second, 1);
+  ASSERT_EQ(static_cast<int>(some.first.size()), config.text.num_attention_heads);
+  for (size_t h = 0; h < some.first.size(); ++h) {
+    EXPECT_GT(some.first[h], 0.0);
+    EXPECT_LT(some.first[h], 1.0);
+    EXPECT_NEAR(all.first[h], 1.0, 1e-5);
+  }
+  EXPECT_NEAR(std::exp(-terms[0].item<double>()), some.first[0] + 1e-6, 1e-5);  // head 0
+
+  // Layer 0's attention depends on layer 0's weights and what feeds it, never on later layers.
+  terms[0].backward();
+  for (auto& [name, t] : (*model)->MutableParameters()) {
+    const bool later = name.rfind("lm.layers.1.", 0) == 0 || name.rfind("lm_head", 0) == 0 ||
+                       name.rfind("lm.norm", 0) == 0;
+    const double g = t->grad().defined() ? t->grad().abs().sum().item<double>() : 0.0;
+    if (later) {
+      EXPECT_EQ(g, 0.0) << name;
+    } else if (name == "lm.layers.0.self_attn.qkv_proj.weight" ||
+               name == "projector.linear_2.weight") {
+      EXPECT_GT(g, 0.0) << name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace llava

@@ -1,0 +1,40 @@
+// Attention supervision for llava-train (docs/TRAINING.md, "Attention supervision"): head 0 of
+// chosen decoder layers is taught to attend, from the row that predicts a short answer, to the
+// image rows of the objects its question names. Our small model, trained from scratch, never
+// formed a lookup by colour on its own; this gives that lookup a direct gradient. Training
+// only: the checkpoint is a plain LLaVA model.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/kv_cache.h"
+
+namespace llava {
+
+struct AttentionTarget {
+  int64_t row = 0;               // query row (sequence index) that predicts an answer's first token
+  std::vector<int64_t> columns;  // cache entries (image rows) of the objects the question names
+  std::string kind;              // the question's kind, for the report
+};
+
+// (layer, question kind) -> per-head sums of the attention mass on the targets, and answers.
+using AttentionReport = std::map<std::pair<int, std::string>, std::pair<std::vector<double>, int>>;
+
+// A cache that behaves exactly as `inner` (a Full cache of one sequence fed in one forward pass)
+// and, in `layers`, appends to `terms` one differentiable -log(mass + 1e-6) per target: the
+// probability mass head 0 puts on the target's columns from its row. With `report`, it also adds
+// every head's mass there. `terms` and `report` must outlive the forward pass.
+std::unique_ptr<KvCache> NewSupervisedAttentionCache(std::unique_ptr<KvCache> inner,
+                                                     std::vector<int> layers,
+                                                     std::vector<AttentionTarget> targets,
+                                                     std::vector<at::Tensor>* terms,
+                                                     AttentionReport* report);
+
+void PrintAttentionReport(const AttentionReport& report);
+
+}  // namespace llava
