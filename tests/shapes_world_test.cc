@@ -210,6 +210,12 @@ TEST(ShapesWorld, NamedObjectsAreTheOnesTheQuestionRefersTo) {
   EXPECT_EQ(NamedObjects(s, "What is on the left?"), V{});
   EXPECT_EQ(NamedObjects(s, "How many objects are there?"), V{});
   EXPECT_EQ(NamedObjects(s, "Describe the image in detail."), V{});
+  // Absent things are still named (llava-train --attn-absent sends those answers to <s>).
+  EXPECT_TRUE(NamesAnything("Is there a blue circle?"));
+  EXPECT_TRUE(NamesAnything("What is on the left?"));
+  EXPECT_TRUE(NamesAnything("How many green objects are there?"));
+  EXPECT_FALSE(NamesAnything("How many objects are there?"));
+  EXPECT_FALSE(NamesAnything("Describe the image in detail."));
 
   // Patches on a 12 x 12 grid of 8 px at 96 px. A large object in the center cell (centre
   // 48, 48; radius 15, 0.8 of it 12): the patch centres 44 and 52 in each axis are sqrt(32)

@@ -319,7 +319,10 @@ QA DescribeSubset(const Scene& s, int shape, int colour) {
   return {"describe-subset", "Describe the " + plural + ".", text + "."};
 }
 
-std::vector<int> NamedObjects(const Scene& s, const std::string& question) {
+namespace {
+
+// The (colour or -1, shape or -1) pairs a question names and, when it names none, its cell.
+void ParseNames(const std::string& question, std::vector<std::pair<int, int>>* named, int* cell) {
   std::vector<std::string> words(1);
   for (char ch : question) {
     if (std::isalpha(static_cast<unsigned char>(ch))) {
@@ -338,27 +341,34 @@ std::vector<int> NamedObjects(const Scene& s, const std::string& question) {
     const int sh = find(kShapeNames, kNumShapes, w);
     return sh >= 0 ? sh : find(kShapePlurals, kNumShapes, w);
   };
-  std::vector<std::pair<int, int>> named;  // (colour or -1, shape or -1)
   for (size_t i = 0; i < words.size(); ++i) {
     const int c = find(kColourNames, kNumColours, words[i]);
     const int sh = shape_of(words[i]);
     if (c >= 0) {
       const int next = i + 1 < words.size() ? shape_of(words[i + 1]) : -1;
-      named.emplace_back(c, next);
+      named->emplace_back(c, next);
       if (next >= 0) ++i;
     } else if (sh >= 0) {
-      named.emplace_back(-1, sh);
+      named->emplace_back(-1, sh);
     }
   }
-  int cell = -1;
+  *cell = -1;
   size_t longest = 0;
-  for (int k = 0; k < kNumCells && named.empty(); ++k) {
+  for (int k = 0; k < kNumCells && named->empty(); ++k) {
     const std::string phrase = kCellPhrases[k];
     if (phrase.size() > longest && question.find(phrase) != std::string::npos) {
-      cell = k;
+      *cell = k;
       longest = phrase.size();
     }
   }
+}
+
+}  // namespace
+
+std::vector<int> NamedObjects(const Scene& s, const std::string& question) {
+  std::vector<std::pair<int, int>> named;
+  int cell;
+  ParseNames(question, &named, &cell);
   std::vector<int> out;
   for (size_t i = 0; i < s.objects.size(); ++i) {
     const Object& o = s.objects[i];
@@ -367,6 +377,13 @@ std::vector<int> NamedObjects(const Scene& s, const std::string& question) {
     if (hit) out.push_back(static_cast<int>(i));
   }
   return out;
+}
+
+bool NamesAnything(const std::string& question) {
+  std::vector<std::pair<int, int>> named;
+  int cell;
+  ParseNames(question, &named, &cell);
+  return !named.empty() || cell >= 0;
 }
 
 std::vector<int> ObjectPatches(const Object& o, int size, int grid) {

@@ -84,6 +84,8 @@ QA DescribeByColour(const Scene& scene);
 // else a colour or a shape alone, else a cell phrase ("at the top left"). Empty for questions
 // about the whole image and when nothing matches. For llava-train's attention supervision.
 std::vector<int> NamedObjects(const Scene& scene, const std::string& question);
+// Whether the question names a colour, a shape or a cell at all (present or not).
+bool NamesAnything(const std::string& question);
 // The patches (row-major indices on a grid x grid patch grid of a size x size image) whose
 // centre lies inside 0.8 of object `o`'s radius; at least the patch under its centre.
 std::vector<int> ObjectPatches(const Object& o, int size, int grid);

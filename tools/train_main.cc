@@ -57,7 +57,8 @@ struct Example {
 // prefix-stable: the prompt up to turn i's "ASSISTANT:" is a prefix of the whole conversation,
 // and turn i's answer runs from there to its </s>.
 bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
-                  const llava::shapes::Scene& scene, const std::vector<QA>& turns, Example* ex) {
+                  const llava::shapes::Scene& scene, const std::vector<QA>& turns,
+                  bool absent_to_bos, Example* ex) {
   std::vector<llava::ChatMessage> messages;
   std::vector<size_t> answer_starts;
   for (size_t i = 0; i < turns.size(); ++i) {
@@ -94,23 +95,28 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
         columns.push_back(ex->image_offsets[0] + p);
       }
     }
+    std::string kind = turns[i].kind;
+    if (columns.empty() && absent_to_bos && llava::shapes::NamesAnything(turns[i].question)) {
+      columns = {0};  // what it names is not there: attend to <s> (--attn-absent)
+      kind += "/absent";
+    }
     if (columns.empty()) continue;
     ex->attn_targets.push_back(
-        {static_cast<int64_t>(answer_starts[i]) - 1, std::move(columns), turns[i].kind});
+        {static_cast<int64_t>(answer_starts[i]) - 1, std::move(columns), kind});
   }
   return true;
 }
 
 Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config, uint64_t seed,
                     int64_t step, int b, double describe_prob, double subset_prob,
-                    double grouped_prob) {
+                    double grouped_prob, bool absent_to_bos) {
   for (int attempt = 0;; ++attempt) {
     Rng rng(Mix(seed ^ kSceneStream, static_cast<uint64_t>(step) * 64 + b, attempt));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
     std::vector<QA> turns =
         llava::shapes::SampleConversation(scene, rng, describe_prob, subset_prob, grouped_prob);
     Example ex;
-    if (!BuildExample(tok, config, scene, turns, &ex)) continue;
+    if (!BuildExample(tok, config, scene, turns, absent_to_bos, &ex)) continue;
     llava::RgbImage img;
     img.width = img.height = config.vision.image_size;
     img.pixels = llava::shapes::RenderScene(scene, img.width, rng.Next());
@@ -212,7 +218,7 @@ int main(int argc, char** argv) {
   bool bf16 = true, tie_embeddings = false;
   double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, describe_prob = 0.5;
   double subset_prob = 0, grouped_prob = 0, attn_weight = 0;
-  bool attn_report = false;
+  bool attn_report = false, attn_absent = false;
   std::vector<int> attn_layers = {1, 2};
   double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
   app.add_option("--out", out_dir, "output llava-hf folder")->capture_default_str();
@@ -248,6 +254,10 @@ int main(int argc, char** argv) {
                  "short answer to the objects its question names (0 = off)")
       ->capture_default_str();
   app.add_option("--attn-layers", attn_layers, "decoder layers whose head 0 is supervised")
+      ->capture_default_str();
+  app.add_option("--attn-absent", attn_absent,
+                 "questions that name a colour, shape or cell with no object there are "
+                 "supervised to attend to <s>, so that absence becomes a state the model can read")
       ->capture_default_str();
   app.add_option("--attn-report", attn_report,
                  "print, at the end, every head's attention mass on the named objects in "
@@ -385,8 +395,8 @@ int main(int argc, char** argv) {
     std::vector<float> pixels;
     std::vector<int64_t> labels;
     for (int b = 0; b < batch; ++b) {
-      examples.push_back(
-          MakeExample(**tok, config, seed, step, b, describe_prob, subset_prob, grouped_prob));
+      examples.push_back(MakeExample(**tok, config, seed, step, b, describe_prob, subset_prob,
+                                     grouped_prob, attn_absent));
       pixels.insert(pixels.end(), examples.back().pixels.begin(), examples.back().pixels.end());
       labels.insert(labels.end(), examples.back().labels.begin(), examples.back().labels.end());
     }
