@@ -21,37 +21,36 @@ import re
 import sys
 
 COLOURS = "red orange yellow green blue purple pink black".split()
+OBJECT = r"a (small|medium|large) (\w+) (\w+) ((?:at|on|in) the (?:top left|top right|bottom left|bottom right|top|bottom|left|right|center))"
+
+
+def described_objects(heldout):
+    """(image, [(size, colour, shape, where), ...] row-major) for every held-out description."""
+    for line in open(os.path.join(heldout, "eval.jsonl")):
+        j = json.loads(line)
+        if j["kind"] == "describe":
+            yield j["image"], re.findall(OBJECT, j["answer"])
 
 
 def make(heldout, out_path):
     with open(out_path, "w") as out:
-        for line in open(os.path.join(heldout, "eval.jsonl")):
-            j = json.loads(line)
-            if j["kind"] != "describe":
-                continue
-            found = re.findall(r"a (?:small|medium|large) (\w+) \w+ (?:at|on|in) ", j["answer"])
+        for image, objects in described_objects(heldout):
+            colours = [colour for _, colour, _, _ in objects]
             for c in COLOURS:
-                out.write(json.dumps({"image": j["image"], "prompt": f"How many {c} objects are there?",
-                                      "answer": str(found.count(c)), "kind": "colour-count"}) + "\n")
-
-
-OBJECT = r"a (small|medium|large) (\w+) (\w+) ((?:at|on|in) the (?:top left|top right|bottom left|bottom right|top|bottom|left|right|center))"
+                out.write(json.dumps({"image": image, "prompt": f"How many {c} objects are there?",
+                                      "answer": str(colours.count(c)), "kind": "colour-count"}) + "\n")
 
 
 def grouped(heldout, out_path):
     with open(out_path, "w") as out:
-        for line in open(os.path.join(heldout, "eval.jsonl")):
-            j = json.loads(line)
-            if j["kind"] != "describe":
-                continue
-            objects = re.findall(OBJECT, j["answer"])  # row-major, as the description lists them
+        for image, objects in described_objects(heldout):
             groups = []
             for c in COLOURS:
                 hits = [f"a {size} {shape} {where}" for size, colour, shape, where in objects if colour == c]
                 if hits:
                     listed = hits[0] if len(hits) == 1 else ", ".join(hits[:-1]) + " and " + hits[-1]
                     groups.append(f"{c}: {listed}")
-            out.write(json.dumps({"image": j["image"], "prompt": "List the objects by color.",
+            out.write(json.dumps({"image": image, "prompt": "List the objects by color.",
                                   "answer": "; ".join(groups) + ".", "kind": "describe-by-colour"}) + "\n")
 
 

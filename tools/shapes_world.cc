@@ -41,6 +41,16 @@ const uint8_t kColourRgb[kNumColours][3] = {{220, 40, 40},   {245, 145, 30}, {23
                                             {240, 120, 185}, {25, 25, 25}};
 const uint8_t kBackgroundRgb[3][3] = {{250, 250, 250}, {200, 200, 200}, {238, 226, 196}};
 const double kRadius[kNumSizes] = {6, 10, 15};  // at 96 px
+
+struct Circle {
+  double x, y, r;
+};
+// Where object `o` is drawn, in pixels of an image `k` times the design size of 96 px: its
+// centre (the cell's centre plus jitter) and radius.
+Circle Placement(const Object& o, double k) {
+  return {k * (16 + 32 * (o.cell % 3) + o.dx), k * (16 + 32 * (o.cell / 3) + o.dy),
+          k * kRadius[o.size]};
+}
 const int kJitter[kNumSizes] = {5, 4, 3};
 
 std::string Article(const std::string& word) {
@@ -148,8 +158,7 @@ std::vector<uint8_t> RenderScene(const Scene& scene, int size, uint64_t texture_
   }
   constexpr int kShift = 4;  // sub-pixel bits for OpenCV's drawing
   for (const Object& o : scene.objects) {
-    const double cx = k * (16 + 32 * (o.cell % 3) + o.dx), cy = k * (16 + 32 * (o.cell / 3) + o.dy);
-    const double r = k * kRadius[o.size];
+    const auto [cx, cy, r] = Placement(o, k);
     const uint8_t* c = kColourRgb[o.colour];
     const cv::Scalar colour(c[0], c[1], c[2]);
     if (o.shape == 0) {
@@ -387,9 +396,9 @@ bool NamesAnything(const std::string& question) {
 }
 
 std::vector<int> ObjectPatches(const Object& o, int size, int grid) {
-  const double k = size / 96.0, step = double(size) / grid;
-  const double cx = k * (16 + 32 * (o.cell % 3) + o.dx), cy = k * (16 + 32 * (o.cell / 3) + o.dy);
-  const double r = 0.8 * k * kRadius[o.size];
+  const double step = double(size) / grid;
+  const auto [cx, cy, radius] = Placement(o, size / 96.0);
+  const double r = 0.8 * radius;
   std::vector<int> out;
   for (int row = 0; row < grid; ++row) {
     for (int col = 0; col < grid; ++col) {

@@ -53,6 +53,13 @@ struct Example {
   std::vector<llava::AttentionTarget> attn_targets;
 };
 
+// What the training conversations are made of (tools/shapes_world.h SampleConversation) and
+// whether absent objects get an attention target.
+struct DataMix {
+  double describe = 0.5, subset = 0, grouped = 0;
+  bool absent_to_bos = false;
+};
+
 // Builds the token ids of a whole conversation and marks the answer tokens. The template is
 // prefix-stable: the prompt up to turn i's "ASSISTANT:" is a prefix of the whole conversation,
 // and turn i's answer runs from there to its </s>.
@@ -108,15 +115,14 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
 }
 
 Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config, uint64_t seed,
-                    int64_t step, int b, double describe_prob, double subset_prob,
-                    double grouped_prob, bool absent_to_bos) {
+                    int64_t step, int b, const DataMix& mix) {
   for (int attempt = 0;; ++attempt) {
     Rng rng(Mix(seed ^ kSceneStream, static_cast<uint64_t>(step) * 64 + b, attempt));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
     std::vector<QA> turns =
-        llava::shapes::SampleConversation(scene, rng, describe_prob, subset_prob, grouped_prob);
+        llava::shapes::SampleConversation(scene, rng, mix.describe, mix.subset, mix.grouped);
     Example ex;
-    if (!BuildExample(tok, config, scene, turns, absent_to_bos, &ex)) continue;
+    if (!BuildExample(tok, config, scene, turns, mix.absent_to_bos, &ex)) continue;
     llava::RgbImage img;
     img.width = img.height = config.vision.image_size;
     img.pixels = llava::shapes::RenderScene(scene, img.width, rng.Next());
@@ -125,15 +131,14 @@ Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& confi
   }
 }
 
-void WriteCorpus(const std::string& path, uint64_t seed, int scenes, double subset_prob,
-                 double grouped_prob) {
+void WriteCorpus(const std::string& path, uint64_t seed, int scenes, const DataMix& mix) {
   std::ofstream out(path);
   out << "USER: ASSISTANT:\n";
   for (int i = 0; i < scenes; ++i) {
     Rng rng(Mix(seed ^ kSceneStream, 1ull << 40 | i));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
     for (const QA& qa :
-         llava::shapes::SampleConversation(scene, rng, 0.5, subset_prob, grouped_prob)) {
+         llava::shapes::SampleConversation(scene, rng, 0.5, mix.subset, mix.grouped)) {
       out << "USER: " << qa.question << " ASSISTANT: " << qa.answer << "\n";
     }
   }
@@ -216,9 +221,9 @@ int main(int argc, char** argv) {
   int64_t steps = 3000, warmup = 150, save_every = 250;
   int batch = 8, threads = 2, vocab = 512, corpus_scenes = 20000;
   bool bf16 = true, tie_embeddings = false;
-  double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, describe_prob = 0.5;
-  double subset_prob = 0, grouped_prob = 0, attn_weight = 0;
-  bool attn_report = false, attn_absent = false;
+  double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, attn_weight = 0;
+  DataMix mix;
+  bool attn_report = false;
   std::vector<int> attn_layers = {1, 2};
   double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
   app.add_option("--out", out_dir, "output llava-hf folder")->capture_default_str();
@@ -238,14 +243,14 @@ int main(int argc, char** argv) {
   app.add_option("--pos-rms", pos_rms,
                  "RMS of the 2-D sin-cos initial patch position embedding (0 = N(0, 0.2))")
       ->capture_default_str();
-  app.add_option("--describe-prob", describe_prob,
+  app.add_option("--describe-prob", mix.describe,
                  "probability that a training conversation is the description alone")
       ->capture_default_str();
-  app.add_option("--subset-prob", subset_prob,
+  app.add_option("--subset-prob", mix.subset,
                  "probability that a training conversation describes objects of one colour or "
                  "shape (\"Describe the red objects.\")")
       ->capture_default_str();
-  app.add_option("--grouped-prob", grouped_prob,
+  app.add_option("--grouped-prob", mix.grouped,
                  "probability that a training conversation lists the objects grouped by colour "
                  "(\"List the objects by color.\")")
       ->capture_default_str();
@@ -255,7 +260,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--attn-layers", attn_layers, "decoder layers whose head 0 is supervised")
       ->capture_default_str();
-  app.add_option("--attn-absent", attn_absent,
+  app.add_option("--attn-absent", mix.absent_to_bos,
                  "questions that name a colour, shape or cell with no object there are "
                  "supervised to attend to <s>, so that absence becomes a state the model can read")
       ->capture_default_str();
@@ -285,7 +290,7 @@ int main(int argc, char** argv) {
       return llava::Tokenizer::Load(out_dir + "/tokenizer.model");
     }
     const std::string corpus = out_dir + "/.corpus.txt";
-    WriteCorpus(corpus, seed, corpus_scenes, subset_prob, grouped_prob);
+    WriteCorpus(corpus, seed, corpus_scenes, mix);
     return llava::TrainTokenizer(corpus, out_dir, vocab);
   }();
   if (!tok.ok()) {
@@ -395,8 +400,7 @@ int main(int argc, char** argv) {
     std::vector<float> pixels;
     std::vector<int64_t> labels;
     for (int b = 0; b < batch; ++b) {
-      examples.push_back(MakeExample(**tok, config, seed, step, b, describe_prob, subset_prob,
-                                     grouped_prob, attn_absent));
+      examples.push_back(MakeExample(**tok, config, seed, step, b, mix));
       pixels.insert(pixels.end(), examples.back().pixels.begin(), examples.back().pixels.end());
       labels.insert(labels.end(), examples.back().labels.begin(), examples.back().labels.end());
     }
