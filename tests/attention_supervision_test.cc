@@ -42,17 +42,21 @@ TEST(AttentionSupervision, SameLogitsTermsFromTheSupervisedLayerOnly) {
   const at::Tensor plain = run((*model)->NewFullCache()).detach();
 
   std::vector<AttentionTarget> targets = {
-      {n - 2, {3, 4, 5, 10}, "colour"},  // a few image rows
-      {n - 3, {}, "all"},                // every entry row n - 3 can see: mass 1
+      {n - 2, {{3, 4, 5, 10}}, "colour"},        // a few image rows
+      {n - 3, {{}}, "all"},                      // every entry row n - 3 can see: mass 1
+      {n - 1, {{0}, {3, 4}, {5, 10}}, "count"},  // <s> and two objects: equal shares wanted
+      {n - 1, {{0}}, "s"},                       // and each of its parts alone
+      {n - 1, {{3, 4}}, "a"},
+      {n - 1, {{5, 10}}, "b"},
   };
-  for (int64_t c = 0; c <= n - 3; ++c) targets[1].columns.push_back(c);
+  for (int64_t c = 0; c <= n - 3; ++c) targets[1].parts[0].push_back(c);
   std::vector<at::Tensor> terms;
   AttentionReport report;
   const at::Tensor logits =
       run(NewSupervisedAttentionCache((*model)->NewFullCache(), {0}, targets, &terms, &report));
   EXPECT_LT((logits.detach() - plain).abs().max().item<double>(), 1e-6);
 
-  ASSERT_EQ(terms.size(), 2u);  // one per target in the one supervised layer
+  ASSERT_EQ(terms.size(), 6u);  // one per target in the one supervised layer
   const auto& some = report.at({0, "colour"});
   const auto& all = report.at({0, "all"});
   ASSERT_EQ(some.second, 1);
@@ -63,6 +67,11 @@ TEST(AttentionSupervision, SameLogitsTermsFromTheSupervisedLayerOnly) {
     EXPECT_NEAR(all.first[h], 1.0, 1e-5);
   }
   EXPECT_NEAR(std::exp(-terms[0].item<double>()), some.first[0] + 1e-6, 1e-5);  // head 0
+  // Several parts: the mean of the parts' own terms, and (AM-GM) never below -log of an equal
+  // share of their total mass, which the report gives.
+  const double parts = (terms[3] + terms[4] + terms[5]).item<double>() / 3;
+  EXPECT_NEAR(terms[2].item<double>(), parts, 1e-6);
+  EXPECT_GE(terms[2].item<double>(), -std::log(report.at({0, "count"}).first[0] / 3) - 1e-6);
 
   // Layer 0's attention depends on layer 0's weights and what feeds it, never on later layers.
   terms[0].backward();

@@ -38,13 +38,20 @@ class SupervisedAttentionCache : public KvCache {
     const int64_t rows = probs.size(1);
     for (const AttentionTarget& t : targets_) {
       if (t.row < first || t.row >= first + rows) continue;
-      at::Tensor mass = probs.select(1, t.row - first)
-                            .index_select(1, at::tensor(t.columns, at::kLong))
-                            .sum(1);  // [heads]
-      terms_->push_back(-at::log(mass[0] + 1e-6));
+      const at::Tensor row = probs.select(1, t.row - first);  // [heads, len]
+      auto mass_on = [&](const std::vector<int64_t>& columns) {
+        return row.index_select(1, at::tensor(columns, at::kLong)).sum(1);  // [heads]
+      };
+      at::Tensor term = at::zeros({}, probs.options());
+      for (const auto& part : t.parts) term = term - at::log(mass_on(part)[0] + 1e-6);
+      terms_->push_back(term / static_cast<double>(t.parts.size()));
       if (report_ == nullptr) continue;
+      std::vector<int64_t> all;  // parts may share a patch where objects overlap: count it once
+      for (const auto& part : t.parts) all.insert(all.end(), part.begin(), part.end());
+      std::sort(all.begin(), all.end());
+      all.erase(std::unique(all.begin(), all.end()), all.end());
       auto& [sums, answers] = (*report_)[{layer, t.kind}];
-      const at::Tensor m = mass.detach().to(at::kDouble).contiguous();
+      const at::Tensor m = mass_on(all).detach().to(at::kDouble).contiguous();
       sums.resize(m.size(0));
       for (int64_t h = 0; h < m.size(0); ++h) sums[h] += m.data_ptr<double>()[h];
       ++answers;

@@ -16,19 +16,23 @@
 
 namespace llava {
 
+// The loss asks head 0 to share its attention equally among `parts`: one part is all the
+// named objects' image rows together (--attn-weight), or each object its own part plus <s>
+// (--attn-count), so that the share left on <s> says how many objects there are.
 struct AttentionTarget {
-  int64_t row = 0;               // query row (sequence index) that predicts an answer's first token
-  std::vector<int64_t> columns;  // cache entries (image rows) of the objects the question names
-  std::string kind;              // the question's kind, for the report
+  int64_t row = 0;  // query row (sequence index) that predicts an answer's first token
+  std::vector<std::vector<int64_t>> parts;  // cache entries (image rows, <s> = 0) per part
+  std::string kind;                         // the question's kind, for the report
 };
 
 // (layer, question kind) -> per-head sums of the attention mass on the targets, and answers.
 using AttentionReport = std::map<std::pair<int, std::string>, std::pair<std::vector<double>, int>>;
 
 // A cache that behaves exactly as `inner` (a Full cache of one sequence fed in one forward pass)
-// and, in `layers`, appends to `terms` one differentiable -log(mass + 1e-6) per target: the
-// probability mass head 0 puts on the target's columns from its row. With `report`, it also adds
-// every head's mass there. `terms` and `report` must outlive the forward pass.
+// and, in `layers`, appends to `terms` one differentiable term per target: the mean over its
+// parts of -log(mass + 1e-6), mass being the probability head 0 puts on the part's entries from
+// the target's row (a cross-entropy against equal shares). With `report`, it also adds every
+// head's mass on all the parts together. `terms` and `report` must outlive the forward pass.
 std::unique_ptr<KvCache> NewSupervisedAttentionCache(std::unique_ptr<KvCache> inner,
                                                      std::vector<int> layers,
                                                      std::vector<AttentionTarget> targets,

@@ -54,10 +54,11 @@ struct Example {
 };
 
 // What the training conversations are made of (tools/shapes_world.h SampleConversation) and
-// whether absent objects get an attention target.
+// the shape of the attention targets (tools/attention_supervision.h).
 struct DataMix {
   double describe = 0.5, subset = 0, grouped = 0;
-  bool absent_to_bos = false;
+  bool absent_to_bos = false;  // --attn-absent: nothing named is there -> all on <s>
+  bool per_object = false;     // --attn-count: <s> and each named object an equal share
 };
 
 // Builds the token ids of a whole conversation and marks the answer tokens. The template is
@@ -65,7 +66,7 @@ struct DataMix {
 // and turn i's answer runs from there to its </s>.
 bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
                   const llava::shapes::Scene& scene, const std::vector<QA>& turns,
-                  bool absent_to_bos, Example* ex) {
+                  const DataMix& mix, Example* ex) {
   std::vector<llava::ChatMessage> messages;
   std::vector<size_t> answer_starts;
   for (size_t i = 0; i < turns.size(); ++i) {
@@ -96,20 +97,33 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
   ex->image_offsets = all->image_offsets;
   const int size = config.vision.image_size, grid = size / config.vision.patch_size;
   for (size_t i = 0; i < turns.size(); ++i) {
-    std::vector<int64_t> columns;
-    for (int o : llava::shapes::NamedObjects(scene, turns[i].question)) {
+    std::vector<std::vector<int64_t>> objects;
+    std::vector<int> named = llava::shapes::NamedObjects(scene, turns[i].question);
+    if (mix.per_object && turns[i].kind == "count" &&
+        !llava::shapes::NamesAnything(turns[i].question)) {
+      for (size_t o = 0; o < scene.objects.size(); ++o) named.push_back(static_cast<int>(o));
+    }
+    for (int o : named) {
+      objects.emplace_back();
       for (int p : llava::shapes::ObjectPatches(scene.objects[o], size, grid)) {
-        columns.push_back(ex->image_offsets[0] + p);
+        objects.back().push_back(ex->image_offsets[0] + p);
       }
     }
     std::string kind = turns[i].kind;
-    if (columns.empty() && absent_to_bos && llava::shapes::NamesAnything(turns[i].question)) {
-      columns = {0};  // what it names is not there: attend to <s> (--attn-absent)
-      kind += "/absent";
+    const bool absent = objects.empty() && llava::shapes::NamesAnything(turns[i].question);
+    if (absent && (mix.absent_to_bos || mix.per_object)) kind += "/absent";
+    llava::AttentionTarget target{static_cast<int64_t>(answer_starts[i]) - 1, {}, kind};
+    if (mix.per_object && (absent || !objects.empty())) {
+      target.parts = {{0}};  // <s>, then one part per object
+      target.parts.insert(target.parts.end(), objects.begin(), objects.end());
+    } else if (absent && mix.absent_to_bos) {
+      target.parts = {{0}};
+    } else if (!objects.empty()) {
+      target.parts.emplace_back();
+      for (const auto& o : objects)
+        target.parts[0].insert(target.parts[0].end(), o.begin(), o.end());
     }
-    if (columns.empty()) continue;
-    ex->attn_targets.push_back(
-        {static_cast<int64_t>(answer_starts[i]) - 1, std::move(columns), kind});
+    if (!target.parts.empty()) ex->attn_targets.push_back(std::move(target));
   }
   return true;
 }
@@ -122,7 +136,7 @@ Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& confi
     std::vector<QA> turns =
         llava::shapes::SampleConversation(scene, rng, mix.describe, mix.subset, mix.grouped);
     Example ex;
-    if (!BuildExample(tok, config, scene, turns, mix.absent_to_bos, &ex)) continue;
+    if (!BuildExample(tok, config, scene, turns, mix, &ex)) continue;
     llava::RgbImage img;
     img.width = img.height = config.vision.image_size;
     img.pixels = llava::shapes::RenderScene(scene, img.width, rng.Next());
@@ -263,6 +277,11 @@ int main(int argc, char** argv) {
   app.add_option("--attn-absent", mix.absent_to_bos,
                  "questions that name a colour, shape or cell with no object there are "
                  "supervised to attend to <s>, so that absence becomes a state the model can read")
+      ->capture_default_str();
+  app.add_option("--attn-count", mix.per_object,
+                 "head 0 shares its attention equally between <s> and each object the question "
+                 "names (every object for \"How many objects are there?\"; all on <s> when none "
+                 "is there), so that the share on <s> tells how many there are")
       ->capture_default_str();
   app.add_option("--attn-report", attn_report,
                  "print, at the end, every head's attention mass on the named objects in "
