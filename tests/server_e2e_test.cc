@@ -281,8 +281,19 @@ TEST_F(ServerTest, CancellationAndDeadline) {
     EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
   {
+    // The deadline is a quarter of what the same request takes without one, so that it falls
+    // inside the generation on a fast machine as on a slow one (a fixed 50 ms did not).
+    const auto start = std::chrono::steady_clock::now();
+    {
+      grpc::ClientContext ctx;
+      v1::ChatResponse resp;
+      ASSERT_TRUE(Stub()->Chat(&ctx, Request("describe everything", 400, true), &resp).ok());
+    }
+    const auto full = std::chrono::steady_clock::now() - start;
+    const auto deadline = std::max<std::chrono::steady_clock::duration>(full / 4, 1ms);
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 50ms);
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline));
     v1::ChatResponse resp;
     grpc::Status s = Stub()->Chat(&ctx, Request("describe everything", 400, true), &resp);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
