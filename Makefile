@@ -33,9 +33,9 @@ generate: build
 	./$(BUILD)/llava-generate --image models/examples/scene1.png \
 	  --prompt "Describe the image in detail." --max-tokens 96 --stats
 
-# Retrains the default model from scratch (51 min on the 2 cores of 2026-12-01; a slower machine
-# is stopped by the clock at 58 min, short of 6,500 steps; docs/TRAINING.md). Writes $(BUILD)/shapes-llava; copy it over
-# models/shapes-llava to ship it.
+# Retrains the default model from scratch (51 min on the 2 cores of 2026-12-01; a slower
+# machine is stopped by the clock at 58 min, short of 6,500 steps; docs/TRAINING.md). Writes
+# $(BUILD)/shapes-llava; copy it over models/shapes-llava to ship it.
 train: build
 	./$(BUILD)/llava-train --out $(BUILD)/shapes-llava --seed 0 --steps 6500 --batch 16 \
 	  --warmup 200 --attn-weight 0.2 --attn-absent true --max-minutes 58
