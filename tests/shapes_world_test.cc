@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <optional>
 #include <set>
 
 #include "engine/image_io.h"
@@ -10,6 +12,14 @@
 
 namespace llava::shapes {
 namespace {
+
+// A ConversationMix that is only the given kind of description.
+ConversationMix OnlyMix(double ConversationMix::*kind) {
+  ConversationMix mix;
+  mix.describe = 0;
+  mix.*kind = 1;
+  return mix;
+}
 
 TEST(ShapesWorld, SameSeedSameScenesTextAndPixels) {
   for (uint64_t seed : {1ull, 42ull, 1001ull}) {
@@ -126,7 +136,7 @@ TEST(ShapesWorld, SubsetDescriptionsListExactlyTheMatchingObjects) {
   for (uint64_t seed = 0; seed < 200; ++seed) {
     Rng rng(seed);
     const Scene scene = SampleScene(rng);
-    const std::vector<QA> turns = SampleConversation(scene, rng, 0, 1);
+    const std::vector<QA> turns = SampleConversation(scene, rng, OnlyMix(&ConversationMix::subset));
     ASSERT_GE(turns.size(), 2u);
     ASSERT_LE(turns.size(), 3u);
     std::set<std::string> questions;
@@ -167,7 +177,8 @@ TEST(ShapesWorld, ByColourListsGroupEveryObjectUnderItsColour) {
   for (uint64_t seed = 0; seed < 200; ++seed) {
     Rng rng(seed);
     const Scene scene = SampleScene(rng);
-    const std::vector<QA> turns = SampleConversation(scene, rng, 0, 0, 1);
+    const std::vector<QA> turns =
+        SampleConversation(scene, rng, OnlyMix(&ConversationMix::grouped));
     ASSERT_EQ(turns.size(), 1u);
     EXPECT_EQ(turns[0].kind, "describe-by-colour");
     // Every object appears once, after its own colour's header and before the next header.
@@ -226,6 +237,113 @@ TEST(ShapesWorld, NamedObjectsAreTheOnesTheQuestionRefersTo) {
   EXPECT_EQ(ObjectPatches(s.objects[3], 96, 12), (V{10 * 12 + 10}));  // centre 80, 80
   // The same object at twice the resolution covers the same part of the image.
   EXPECT_EQ(ObjectPatches(s.objects[2], 192, 12), center);
+}
+
+TEST(ShapesWorld, WeightedQuestionsDrawOnlyTheWeightedTemplates) {
+  // One template at a time: every question is of it, and its answer agrees with the scene.
+  for (int k = 0; k < kNumQuestionKinds; ++k) {
+    const auto kind = static_cast<QuestionKind>(k);
+    QuestionWeights weights{};
+    weights[k] = 1;
+    for (uint64_t seed = 0; seed < 60; ++seed) {
+      Rng rng(seed);
+      Scene s = SampleScene(rng);
+      if (kind == QuestionKind::kColour || kind == QuestionKind::kShape ||
+          kind == QuestionKind::kLarger || kind == QuestionKind::kWhere) {
+        // Not every scene has one (e.g. no shape there exactly once): give it one that has.
+        s.objects = {{0, 0, 0, 0}, {1, 1, 2, 4}};
+      }
+      const QA qa = AskShortQuestion(s, rng, weights);
+      auto count = [&](auto pred) {
+        return std::to_string(std::count_if(s.objects.begin(), s.objects.end(), pred));
+      };
+      switch (kind) {
+        case QuestionKind::kCountAll:
+          EXPECT_EQ(qa.question, "How many objects are there?");
+          EXPECT_EQ(qa.answer, std::to_string(s.objects.size()));
+          break;
+        case QuestionKind::kCountShape: {
+          int shape = -1;
+          for (int sh = 0; sh < kNumShapes; ++sh) {
+            if (qa.question == std::string("How many ") + kShapePlurals[sh] + " are there?") {
+              shape = sh;
+            }
+          }
+          ASSERT_GE(shape, 0) << qa.question;
+          EXPECT_EQ(qa.answer, count([&](const Object& o) { return o.shape == shape; }));
+          break;
+        }
+        case QuestionKind::kCountColour: {
+          int colour = -1;
+          for (int c = 0; c < kNumColours; ++c) {
+            if (qa.question == std::string("How many ") + kColourNames[c] + " objects are there?") {
+              colour = c;
+            }
+          }
+          ASSERT_GE(colour, 0) << qa.question;
+          EXPECT_EQ(qa.answer, count([&](const Object& o) { return o.colour == colour; }));
+          break;
+        }
+        default: {
+          static const char* const kPrefixes[] = {
+              "What color is the ", "What shape is the ", "", "", "", "What is ", "Is there ",
+              "Which is larger, ",  "Where is the "};
+          EXPECT_EQ(qa.question.rfind(kPrefixes[k], 0), 0u) << QuestionKindName(kind);
+        }
+      }
+    }
+  }
+  // Shares follow the weights: position 3 : count_all 1.
+  QuestionWeights weights{};
+  weights[static_cast<int>(QuestionKind::kPosition)] = 3;
+  weights[static_cast<int>(QuestionKind::kCountAll)] = 1;
+  int position = 0;
+  for (uint64_t seed = 0; seed < 2000; ++seed) {
+    Rng rng(seed);
+    const Scene s = SampleScene(rng);
+    position += AskShortQuestion(s, rng, weights).kind == "position";
+  }
+  EXPECT_NEAR(position / 2000.0, 0.75, 0.04);
+}
+
+TEST(ShapesWorld, ParsesQuestionWeightsAndNamesTheBadItem) {
+  std::string error;
+  std::optional<QuestionWeights> w = ParseQuestionWeights("position=0.5,count_colour=2", &error);
+  ASSERT_TRUE(w.has_value()) << error;
+  QuestionWeights expected = UniformQuestionWeights();
+  expected[static_cast<int>(QuestionKind::kPosition)] = 0.5;
+  expected[static_cast<int>(QuestionKind::kCountColour)] = 2;
+  EXPECT_EQ(*w, expected);
+  EXPECT_DOUBLE_EQ(expected[static_cast<int>(QuestionKind::kCountAll)], 2.0 / 3);
+  EXPECT_EQ(expected[static_cast<int>(QuestionKind::kWhere)], 1.0);
+
+  for (const char* bad : {"colour", "size=1", "colour=", "colour=x", "colour=-1", "colour=1,"}) {
+    EXPECT_FALSE(ParseQuestionWeights(bad, &error).has_value()) << bad;
+    EXPECT_NE(error.find('"'), std::string::npos) << bad << ": " << error;
+  }
+  EXPECT_FALSE(ParseQuestionWeights("colour=0,shape=0,count_all=0,count_shape=0,count_colour=0,"
+                                    "position=0,exists=0,larger=0,where=0",
+                                    &error)
+                   .has_value());
+  EXPECT_EQ(error, "every weight is 0");
+}
+
+TEST(ShapesWorld, QuestionConversationsHaveTheAskedLength) {
+  ConversationMix mix;
+  mix.describe = 0;
+  mix.min_questions = 9;
+  mix.max_questions = 12;
+  int longest = 0;
+  for (uint64_t seed = 0; seed < 100; ++seed) {
+    Rng rng(seed);
+    const Scene s = SampleScene(rng);
+    const std::vector<QA> turns = SampleConversation(s, rng, mix);
+    ASSERT_LE(turns.size(), 12u);
+    std::set<std::string> questions;
+    for (const QA& qa : turns) EXPECT_TRUE(questions.insert(qa.question).second);
+    longest = std::max(longest, static_cast<int>(turns.size()));
+  }
+  EXPECT_EQ(longest, 12);
 }
 
 }  // namespace

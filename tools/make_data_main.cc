@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
                     {"texture_seed", texture_seed},
                     {"objects", objects}};
       j["turns"] = nlohmann::ordered_json::array();
-      for (const QA& qa : llava::shapes::SampleConversation(scene, rng, 0.5)) {
+      for (const QA& qa : llava::shapes::SampleConversation(scene, rng, {})) {
         j["turns"].push_back({qa.question, qa.answer});
       }
       jsonl << j.dump() << "\n";

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <opencv2/core.hpp>
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
@@ -184,110 +185,189 @@ std::string RenderPng(const Scene& scene, int size, uint64_t texture_seed) {
   return std::string(png.begin(), png.end());
 }
 
-QA AskShortQuestion(const Scene& s, Rng& rng) {
-  for (;;) {
-    const int kind = rng.Uniform(8);
-    switch (kind) {
-      case 0: {  // colour of a shape present exactly once
-        std::vector<int> shapes;
-        for (int sh = 0; sh < kNumShapes; ++sh) {
-          if (CountIf(s, sh, -1) == 1) shapes.push_back(sh);
-        }
-        if (shapes.empty()) break;
-        const int sh = shapes[rng.Uniform(static_cast<int>(shapes.size()))];
-        for (const Object& o : s.objects) {
-          if (o.shape == sh) {
-            return {"colour", std::string("What color is the ") + kShapeNames[sh] + "?",
+std::optional<QA> AskQuestionOfKind(const Scene& s, Rng& rng, QuestionKind kind) {
+  switch (kind) {
+    case QuestionKind::kColour: {  // colour of a shape present exactly once
+      std::vector<int> shapes;
+      for (int sh = 0; sh < kNumShapes; ++sh) {
+        if (CountIf(s, sh, -1) == 1) shapes.push_back(sh);
+      }
+      if (shapes.empty()) return std::nullopt;
+      const int sh = shapes[rng.Uniform(static_cast<int>(shapes.size()))];
+      for (const Object& o : s.objects) {
+        if (o.shape == sh) {
+          return QA{"colour", std::string("What color is the ") + kShapeNames[sh] + "?",
                     kColourNames[o.colour]};
-          }
         }
-        break;
       }
-      case 1: {  // shape of a colour present exactly once
-        std::vector<int> colours;
-        for (int c = 0; c < kNumColours; ++c) {
-          if (CountIf(s, -1, c) == 1) colours.push_back(c);
-        }
-        if (colours.empty()) break;
-        const int c = colours[rng.Uniform(static_cast<int>(colours.size()))];
-        for (const Object& o : s.objects) {
-          if (o.colour == c) {
-            return {"shape", std::string("What shape is the ") + kColourNames[c] + " object?",
+      return std::nullopt;
+    }
+    case QuestionKind::kShape: {  // shape of a colour present exactly once
+      std::vector<int> colours;
+      for (int c = 0; c < kNumColours; ++c) {
+        if (CountIf(s, -1, c) == 1) colours.push_back(c);
+      }
+      if (colours.empty()) return std::nullopt;
+      const int c = colours[rng.Uniform(static_cast<int>(colours.size()))];
+      for (const Object& o : s.objects) {
+        if (o.colour == c) {
+          return QA{"shape", std::string("What shape is the ") + kColourNames[c] + " object?",
                     kShapeNames[o.shape]};
-          }
         }
-        break;
       }
-      case 2:
-      case 3: {  // counts
-        const int variant = rng.Uniform(3);
-        if (variant == 0) {
-          return {"count", "How many objects are there?", std::to_string(s.objects.size())};
-        }
-        if (variant == 1) {
-          const int sh = rng.Chance(0.7) ? s.objects[rng.Uniform(int(s.objects.size()))].shape
-                                         : rng.Uniform(kNumShapes);
-          return {"count", std::string("How many ") + kShapePlurals[sh] + " are there?",
-                  std::to_string(CountIf(s, sh, -1))};
-        }
-        const int c = rng.Chance(0.7) ? s.objects[rng.Uniform(int(s.objects.size()))].colour
-                                      : rng.Uniform(kNumColours);
-        return {"count", std::string("How many ") + kColourNames[c] + " objects are there?",
+      return std::nullopt;
+    }
+    case QuestionKind::kCountAll:
+      return QA{"count", "How many objects are there?", std::to_string(s.objects.size())};
+    case QuestionKind::kCountShape: {
+      const int sh = rng.Chance(0.7) ? s.objects[rng.Uniform(int(s.objects.size()))].shape
+                                     : rng.Uniform(kNumShapes);
+      return QA{"count", std::string("How many ") + kShapePlurals[sh] + " are there?",
+                std::to_string(CountIf(s, sh, -1))};
+    }
+    case QuestionKind::kCountColour: {
+      const int c = rng.Chance(0.7) ? s.objects[rng.Uniform(int(s.objects.size()))].colour
+                                    : rng.Uniform(kNumColours);
+      return QA{"count", std::string("How many ") + kColourNames[c] + " objects are there?",
                 std::to_string(CountIf(s, -1, c))};
+    }
+    case QuestionKind::kPosition: {  // what is at a position
+      const int cell = rng.Chance(0.75) ? s.objects[rng.Uniform(int(s.objects.size()))].cell
+                                        : rng.Uniform(kNumCells);
+      std::string answer = "nothing";
+      for (const Object& o : s.objects) {
+        if (o.cell == cell) answer = ObjectPhrase(o);
       }
-      case 4: {  // what is at a position
-        const int cell = rng.Chance(0.75) ? s.objects[rng.Uniform(int(s.objects.size()))].cell
-                                          : rng.Uniform(kNumCells);
-        std::string answer = "nothing";
-        for (const Object& o : s.objects) {
-          if (o.cell == cell) answer = ObjectPhrase(o);
-        }
-        std::string phrase = kCellPhrases[cell];
-        return {"position", "What is " + phrase + "?", answer};
+      std::string phrase = kCellPhrases[cell];
+      return QA{"position", "What is " + phrase + "?", answer};
+    }
+    case QuestionKind::kExists: {  // existence, balanced
+      int sh, c;
+      if (rng.Chance(0.5)) {
+        const Object& o = s.objects[rng.Uniform(int(s.objects.size()))];
+        sh = o.shape;
+        c = o.colour;
+      } else {
+        do {
+          sh = rng.Uniform(kNumShapes);
+          c = rng.Uniform(kNumColours);
+        } while (CountIf(s, sh, c) > 0);
       }
-      case 5: {  // existence, balanced
-        int sh, c;
-        if (rng.Chance(0.5)) {
-          const Object& o = s.objects[rng.Uniform(int(s.objects.size()))];
-          sh = o.shape;
-          c = o.colour;
-        } else {
-          do {
-            sh = rng.Uniform(kNumShapes);
-            c = rng.Uniform(kNumColours);
-          } while (CountIf(s, sh, c) > 0);
-        }
-        const std::string colour = kColourNames[c];
-        return {"exists", "Is there " + Article(colour) + colour + " " + kShapeNames[sh] + "?",
+      const std::string colour = kColourNames[c];
+      return QA{"exists", "Is there " + Article(colour) + colour + " " + kShapeNames[sh] + "?",
                 CountIf(s, sh, c) > 0 ? "yes" : "no"};
-      }
-      case 6: {  // which is larger
-        std::vector<const Object*> named = UniquelyNamed(s);
-        std::vector<std::pair<const Object*, const Object*>> pairs;
-        for (const Object* a : named) {
-          for (const Object* b : named) {
-            if (a != b && a->size != b->size) pairs.emplace_back(a, b);
-          }
+    }
+    case QuestionKind::kLarger: {  // which is larger
+      std::vector<const Object*> named = UniquelyNamed(s);
+      std::vector<std::pair<const Object*, const Object*>> pairs;
+      for (const Object* a : named) {
+        for (const Object* b : named) {
+          if (a != b && a->size != b->size) pairs.emplace_back(a, b);
         }
-        if (pairs.empty()) break;
-        const auto [a, b] = pairs[rng.Uniform(static_cast<int>(pairs.size()))];
-        auto name = [](const Object* o) {
-          return std::string("the ") + kColourNames[o->colour] + " " + kShapeNames[o->shape];
-        };
-        return {"larger", "Which is larger, " + name(a) + " or " + name(b) + "?",
-                name(a->size > b->size ? a : b)};
       }
-      case 7: {  // where is an object
-        std::vector<const Object*> named = UniquelyNamed(s);
-        if (named.empty()) break;
-        const Object* o = named[rng.Uniform(static_cast<int>(named.size()))];
-        return {"where",
+      if (pairs.empty()) return std::nullopt;
+      const auto [a, b] = pairs[rng.Uniform(static_cast<int>(pairs.size()))];
+      auto name = [](const Object* o) {
+        return std::string("the ") + kColourNames[o->colour] + " " + kShapeNames[o->shape];
+      };
+      return QA{"larger", "Which is larger, " + name(a) + " or " + name(b) + "?",
+                name(a->size > b->size ? a : b)};
+    }
+    case QuestionKind::kWhere: {  // where is an object
+      std::vector<const Object*> named = UniquelyNamed(s);
+      if (named.empty()) return std::nullopt;
+      const Object* o = named[rng.Uniform(static_cast<int>(named.size()))];
+      return QA{"where",
                 std::string("Where is the ") + kColourNames[o->colour] + " " +
                     kShapeNames[o->shape] + "?",
                 kCellNames[o->cell]};
-      }
     }
   }
+  return std::nullopt;
+}
+
+QA AskShortQuestion(const Scene& s, Rng& rng) {
+  // Eight equally likely cases, the three count variants sharing two of them. The order of the
+  // draws is the held-out split's bytes: keep it.
+  static constexpr QuestionKind kCases[8] = {QuestionKind::kColour,   QuestionKind::kShape,
+                                             QuestionKind::kCountAll, QuestionKind::kCountAll,
+                                             QuestionKind::kPosition, QuestionKind::kExists,
+                                             QuestionKind::kLarger,   QuestionKind::kWhere};
+  for (;;) {
+    QuestionKind kind = kCases[rng.Uniform(8)];
+    if (kind == QuestionKind::kCountAll) {
+      kind = static_cast<QuestionKind>(static_cast<int>(QuestionKind::kCountAll) + rng.Uniform(3));
+    }
+    if (std::optional<QA> qa = AskQuestionOfKind(s, rng, kind)) return *std::move(qa);
+  }
+}
+
+QA AskShortQuestion(const Scene& s, Rng& rng, const QuestionWeights& weights) {
+  double total = 0;
+  for (double w : weights) total += w;
+  for (;;) {
+    double r = rng.Real() * total;
+    int k = 0;
+    while (k + 1 < kNumQuestionKinds && r >= weights[k]) r -= weights[k++];
+    if (std::optional<QA> qa = AskQuestionOfKind(s, rng, static_cast<QuestionKind>(k))) {
+      return *std::move(qa);
+    }
+  }
+}
+
+const char* QuestionKindName(QuestionKind kind) {
+  static constexpr const char* kNames[kNumQuestionKinds] = {
+      "colour",   "shape",  "count_all", "count_shape", "count_colour",
+      "position", "exists", "larger",    "where"};
+  return kNames[static_cast<int>(kind)];
+}
+
+std::optional<QuestionWeights> ParseQuestionWeights(const std::string& text, std::string* error) {
+  QuestionWeights weights = UniformQuestionWeights();
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    size_t comma = text.find(',', begin);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string item = text.substr(begin, comma - begin);
+    begin = comma + 1;
+    const size_t eq = item.find('=');
+    int kind = 0;
+    while (kind < kNumQuestionKinds &&
+           item.substr(0, eq) != QuestionKindName(static_cast<QuestionKind>(kind))) {
+      ++kind;
+    }
+    if (eq == std::string::npos || kind == kNumQuestionKinds) {
+      *error = "\"" + item +
+               "\" is not TEMPLATE=WEIGHT with TEMPLATE one of colour, shape, count_all, "
+               "count_shape, count_colour, position, exists, larger, where";
+      return std::nullopt;
+    }
+    const std::string number = item.substr(eq + 1);
+    char* end = nullptr;
+    const double w = std::strtod(number.c_str(), &end);
+    if (number.empty() || *end != '\0' || !(w >= 0) || w > 1e6) {
+      *error = "\"" + item + "\": the weight must be a number from 0 to 1e6";
+      return std::nullopt;
+    }
+    weights[kind] = w;
+  }
+  double total = 0;
+  for (double w : weights) total += w;
+  if (total <= 0) {
+    *error = "every weight is 0";
+    return std::nullopt;
+  }
+  return weights;
+}
+
+QuestionWeights UniformQuestionWeights() {
+  QuestionWeights w;
+  w.fill(1.0);
+  for (QuestionKind k :
+       {QuestionKind::kCountAll, QuestionKind::kCountShape, QuestionKind::kCountColour}) {
+    w[static_cast<int>(k)] = 2.0 / 3.0;
+  }
+  return w;
 }
 
 std::string DescribeText(const Scene& s) {
@@ -428,8 +508,8 @@ QA DescribeByColour(const Scene& s) {
   return {"describe-by-colour", "List the objects by color.", text + "."};
 }
 
-std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe, double p_subset,
-                                   double p_grouped) {
+std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, const ConversationMix& mix) {
+  const double p_describe = mix.describe, p_subset = mix.subset, p_grouped = mix.grouped;
   const double r = rng.Real();
   if (r < p_describe) return {Describe(scene)};
   if (p_grouped > 0 && r >= p_describe + p_subset && r < p_describe + p_subset + p_grouped) {
@@ -451,11 +531,12 @@ std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_descri
     }
     return turns;
   }
-  const int n = 3 + rng.Uniform(6);
+  const int n = mix.min_questions + rng.Uniform(mix.max_questions - mix.min_questions + 1);
   std::vector<QA> turns;
   std::set<std::string> asked;
   for (int tries = 0; static_cast<int>(turns.size()) < n && tries < 4 * n; ++tries) {
-    QA qa = AskShortQuestion(scene, rng);
+    QA qa = mix.question_weights ? AskShortQuestion(scene, rng, *mix.question_weights)
+                                 : AskShortQuestion(scene, rng);
     if (asked.insert(qa.question).second) turns.push_back(std::move(qa));
   }
   return turns;

@@ -8,7 +8,9 @@
 // between standard libraries), so the same seed gives the same bytes everywhere.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,8 +63,36 @@ struct QA {
   std::string answer;    // e.g. "red"; the full description for kind "describe"
 };
 
-// One question of a random applicable kind (never "describe").
+// The short-question templates; the three counts are "How many objects", "How many <shapes>"
+// and "How many <colour> objects". QA::kind names them coarser ("count" for all three).
+enum class QuestionKind {
+  kColour,
+  kShape,
+  kCountAll,
+  kCountShape,
+  kCountColour,
+  kPosition,
+  kExists,
+  kLarger,
+  kWhere
+};
+inline constexpr int kNumQuestionKinds = 9;
+using QuestionWeights = std::array<double, kNumQuestionKinds>;  // indexed by QuestionKind
+const char* QuestionKindName(QuestionKind kind);  // "colour", ..., "count_colour", ..., "where"
+// The shares AskShortQuestion(scene, rng) draws with: 1 each, the counts 2/3 each.
+QuestionWeights UniformQuestionWeights();
+// "position=0.5,count_colour=2" (llava-train --question-weights): the named templates' weights,
+// the others UniformQuestionWeights'. nullopt, and *error naming the bad item, for an unknown
+// template, a weight that is not a number >= 0, or all weights 0.
+std::optional<QuestionWeights> ParseQuestionWeights(const std::string& text, std::string* error);
+
+// A question of `kind` about the scene, or nullopt when the scene has none (no shape that is
+// there exactly once, no two named objects of different sizes, ...).
+std::optional<QA> AskQuestionOfKind(const Scene& scene, Rng& rng, QuestionKind kind);
+// One question of a random applicable kind (never "describe"): the held-out split's questions.
 QA AskShortQuestion(const Scene& scene, Rng& rng);
+// The same with kinds drawn in proportion to `weights` (llava-train --question-weights).
+QA AskShortQuestion(const Scene& scene, Rng& rng, const QuestionWeights& weights);
 // "Describe the image in detail." and the description (every object, row-major).
 QA Describe(const Scene& scene);
 std::string DescribeText(const Scene& scene);
@@ -90,12 +120,21 @@ bool NamesAnything(const std::string& question);
 // centre lies inside 0.8 of object `o`'s radius; at least the patch under its centre.
 std::vector<int> ObjectPatches(const Object& o, int size, int grid);
 
-// A training conversation: with probability `p_describe` the description alone, with
-// probability `p_subset` two or three DescribeSubset turns of one attribute (disjoint objects),
-// with probability `p_grouped` DescribeByColour alone, otherwise 3-8 distinct short questions.
-// Never descriptions and short questions together: a short answer that follows a description in the
-// same conversation can be copied from its text instead of being read from the image.
-std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, double p_describe,
-                                   double p_subset = 0, double p_grouped = 0);
+// What a training conversation is made of (the defaults are the held-out split's).
+struct ConversationMix {
+  double describe = 0.5;                     // the description alone
+  double subset = 0;                         // two or three DescribeSubset turns of one attribute
+  double grouped = 0;                        // DescribeByColour alone
+  int min_questions = 3, max_questions = 8;  // otherwise this many distinct short questions
+  std::optional<QuestionWeights> question_weights;  // nullopt: AskShortQuestion(scene, rng)
+};
+
+// A training conversation: with probability `describe` the description alone, with probability
+// `subset` two or three DescribeSubset turns of one attribute (disjoint objects), with
+// probability `grouped` DescribeByColour alone, otherwise min_questions to max_questions
+// distinct short questions. Never descriptions and short questions together: a short answer
+// that follows a description in the same conversation can be copied from its text instead of
+// being read from the image.
+std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, const ConversationMix& mix);
 
 }  // namespace llava::shapes

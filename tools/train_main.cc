@@ -56,7 +56,7 @@ struct Example {
 // What the training conversations are made of (tools/shapes_world.h SampleConversation) and
 // the shape of the attention targets (tools/attention_supervision.h).
 struct DataMix {
-  double describe = 0.5, subset = 0, grouped = 0;
+  llava::shapes::ConversationMix conversation;
   bool absent_to_bos = false;  // --attn-absent: nothing named is there -> all on <s>
   bool per_object = false;     // --attn-count: <s> and each named object an equal share
 };
@@ -133,8 +133,7 @@ Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& confi
   for (int attempt = 0;; ++attempt) {
     Rng rng(Mix(seed ^ kSceneStream, static_cast<uint64_t>(step) * 64 + b, attempt));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
-    std::vector<QA> turns =
-        llava::shapes::SampleConversation(scene, rng, mix.describe, mix.subset, mix.grouped);
+    std::vector<QA> turns = llava::shapes::SampleConversation(scene, rng, mix.conversation);
     Example ex;
     if (!BuildExample(tok, config, scene, turns, mix, &ex)) continue;
     llava::RgbImage img;
@@ -151,8 +150,11 @@ void WriteCorpus(const std::string& path, uint64_t seed, int scenes, const DataM
   for (int i = 0; i < scenes; ++i) {
     Rng rng(Mix(seed ^ kSceneStream, 1ull << 40 | i));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
-    for (const QA& qa :
-         llava::shapes::SampleConversation(scene, rng, 0.5, mix.subset, mix.grouped)) {
+    // The tokenizer's corpus keeps the held-out split's share of descriptions and questions.
+    llava::shapes::ConversationMix corpus_mix;
+    corpus_mix.subset = mix.conversation.subset;
+    corpus_mix.grouped = mix.conversation.grouped;
+    for (const QA& qa : llava::shapes::SampleConversation(scene, rng, corpus_mix)) {
       out << "USER: " << qa.question << " ASSISTANT: " << qa.answer << "\n";
     }
   }
@@ -257,17 +259,28 @@ int main(int argc, char** argv) {
   app.add_option("--pos-rms", pos_rms,
                  "RMS of the 2-D sin-cos initial patch position embedding (0 = N(0, 0.2))")
       ->capture_default_str();
-  app.add_option("--describe-prob", mix.describe,
+  app.add_option("--describe-prob", mix.conversation.describe,
                  "probability that a training conversation is the description alone")
       ->capture_default_str();
-  app.add_option("--subset-prob", mix.subset,
+  app.add_option("--subset-prob", mix.conversation.subset,
                  "probability that a training conversation describes objects of one colour or "
                  "shape (\"Describe the red objects.\")")
       ->capture_default_str();
-  app.add_option("--grouped-prob", mix.grouped,
+  app.add_option("--grouped-prob", mix.conversation.grouped,
                  "probability that a training conversation lists the objects grouped by colour "
                  "(\"List the objects by color.\")")
       ->capture_default_str();
+  app.add_option("--min-questions", mix.conversation.min_questions,
+                 "fewest short questions in a question conversation")
+      ->capture_default_str();
+  app.add_option("--max-questions", mix.conversation.max_questions,
+                 "most short questions in a question conversation")
+      ->capture_default_str();
+  std::string question_weights;
+  app.add_option("--question-weights", question_weights,
+                 "how often each question template is drawn, e.g. \"position=0.5,count_colour=2\" "
+                 "(templates not named keep the held-out split's 1, or 2/3 for each of "
+                 "count_all, count_shape, count_colour; empty = the held-out draws)");
   app.add_option("--attn-weight", attn_weight,
                  "weight of the attention supervision: head 0 of --attn-layers attends from each "
                  "short answer to the objects its question names (0 = off)")
@@ -296,6 +309,20 @@ int main(int argc, char** argv) {
   app.add_option("--bf16", bf16, "bf16 autocast for the forward pass")->capture_default_str();
   app.add_option("--max-minutes", minutes, "stop (and save) after this long; 0 = no limit");
   CLI11_PARSE(app, argc, argv);
+  if (mix.conversation.min_questions < 1 ||
+      mix.conversation.max_questions < mix.conversation.min_questions) {
+    std::fprintf(stderr, "--min-questions / --max-questions: need 1 <= min <= max\n");
+    return 2;
+  }
+  if (!question_weights.empty()) {
+    std::string error;
+    mix.conversation.question_weights =
+        llava::shapes::ParseQuestionWeights(question_weights, &error);
+    if (!mix.conversation.question_weights) {
+      std::fprintf(stderr, "--question-weights: %s\n", error.c_str());
+      return 2;
+    }
+  }
   llava::InitTorchThreads(threads);
   torch::manual_seed(seed);
 
