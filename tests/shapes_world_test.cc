@@ -254,6 +254,14 @@ TEST(ShapesWorld, WeightedQuestionsDrawOnlyTheWeightedTemplates) {
         s.objects = {{0, 0, 0, 0}, {1, 1, 2, 4}};
       }
       const QA qa = AskShortQuestion(s, rng, weights);
+      // The index i < n whose question `question_of(i)` is this one, or -1.
+      auto asked = [&](int n, auto question_of) {
+        for (int i = 0; i < n; ++i) {
+          if (qa.question == question_of(i)) return i;
+        }
+        return -1;
+      };
+      // How many objects satisfy `pred`, as the answer writes it.
       auto count = [&](auto pred) {
         return std::to_string(std::count_if(s.objects.begin(), s.objects.end(), pred));
       };
@@ -263,23 +271,17 @@ TEST(ShapesWorld, WeightedQuestionsDrawOnlyTheWeightedTemplates) {
           EXPECT_EQ(qa.answer, std::to_string(s.objects.size()));
           break;
         case QuestionKind::kCountShape: {
-          int shape = -1;
-          for (int sh = 0; sh < kNumShapes; ++sh) {
-            if (qa.question == std::string("How many ") + kShapePlurals[sh] + " are there?") {
-              shape = sh;
-            }
-          }
+          const int shape = asked(kNumShapes, [](int sh) {
+            return std::string("How many ") + kShapePlurals[sh] + " are there?";
+          });
           ASSERT_GE(shape, 0) << qa.question;
           EXPECT_EQ(qa.answer, count([&](const Object& o) { return o.shape == shape; }));
           break;
         }
         case QuestionKind::kCountColour: {
-          int colour = -1;
-          for (int c = 0; c < kNumColours; ++c) {
-            if (qa.question == std::string("How many ") + kColourNames[c] + " objects are there?") {
-              colour = c;
-            }
-          }
+          const int colour = asked(kNumColours, [](int c) {
+            return std::string("How many ") + kColourNames[c] + " objects are there?";
+          });
           ASSERT_GE(colour, 0) << qa.question;
           EXPECT_EQ(qa.answer, count([&](const Object& o) { return o.colour == colour; }));
           break;

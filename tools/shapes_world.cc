@@ -309,6 +309,7 @@ QA AskShortQuestion(const Scene& s, Rng& rng, const QuestionWeights& weights) {
     double r = rng.Real() * total;
     int k = 0;
     while (k + 1 < kNumQuestionKinds && r >= weights[k]) r -= weights[k++];
+    if (weights[k] == 0) continue;  // rounding ran past the last weighted kind
     if (std::optional<QA> qa = AskQuestionOfKind(s, rng, static_cast<QuestionKind>(k))) {
       return *std::move(qa);
     }
@@ -337,9 +338,10 @@ std::optional<QuestionWeights> ParseQuestionWeights(const std::string& text, std
       ++kind;
     }
     if (eq == std::string::npos || kind == kNumQuestionKinds) {
-      *error = "\"" + item +
-               "\" is not TEMPLATE=WEIGHT with TEMPLATE one of colour, shape, count_all, "
-               "count_shape, count_colour, position, exists, larger, where";
+      *error = "\"" + item + "\" is not TEMPLATE=WEIGHT with TEMPLATE one of";
+      for (int k = 0; k < kNumQuestionKinds; ++k) {
+        *error += std::string(k ? ", " : " ") + QuestionKindName(static_cast<QuestionKind>(k));
+      }
       return std::nullopt;
     }
     const std::string number = item.substr(eq + 1);
