@@ -237,6 +237,21 @@ TEST(ShapesWorld, NamedObjectsAreTheOnesTheQuestionRefersTo) {
   EXPECT_EQ(ObjectPatches(s.objects[3], 96, 12), (V{10 * 12 + 10}));  // centre 80, 80
   // The same object at twice the resolution covers the same part of the image.
   EXPECT_EQ(ObjectPatches(s.objects[2], 192, 12), center);
+
+  // Each patch's owner: the objects' patches, the rest background.
+  V owners = PatchOwners(s, 96, 12);
+  ASSERT_EQ(owners.size(), 144u);
+  EXPECT_EQ(owners[65], 2);
+  EXPECT_EQ(owners[78], 2);
+  EXPECT_EQ(owners[10 * 12 + 10], 3);
+  EXPECT_EQ(owners[0 * 12 + 11], -1);  // top right: no object there
+  EXPECT_EQ(std::count(owners.begin(), owners.end(), 2), 4);
+  // Where two overlap, the later one (drawn on top) owns the patch.
+  Scene two;
+  two.objects = {{0, 0, 2, 4}, {1, 4, 2, 4}};  // a large red circle under a large blue square
+  V top_alone = PatchOwners(Scene{0, false, {two.objects[1]}}, 96, 12);
+  for (int& o : top_alone) o = o == 0 ? 1 : -1;  // its index in `two`
+  EXPECT_EQ(PatchOwners(two, 96, 12), top_alone);
 }
 
 TEST(ShapesWorld, WeightedQuestionsDrawOnlyTheWeightedTemplates) {

@@ -492,6 +492,14 @@ std::vector<int> ObjectPatches(const Object& o, int size, int grid) {
   return out;
 }
 
+std::vector<int> PatchOwners(const Scene& s, int size, int grid) {
+  std::vector<int> owner(static_cast<size_t>(grid) * grid, -1);
+  for (size_t o = 0; o < s.objects.size(); ++o) {
+    for (int p : ObjectPatches(s.objects[o], size, grid)) owner[p] = static_cast<int>(o);
+  }
+  return owner;
+}
+
 QA DescribeByColour(const Scene& s) {
   std::string text;
   for (int c = 0; c < kNumColours; ++c) {

@@ -119,6 +119,10 @@ bool NamesAnything(const std::string& question);
 // The patches (row-major indices on a grid x grid patch grid of a size x size image) whose
 // centre lies inside 0.8 of object `o`'s radius; at least the patch under its centre.
 std::vector<int> ObjectPatches(const Object& o, int size, int grid);
+// What each patch shows: for every patch (row-major, grid x grid), the index into s.objects of
+// the object whose ObjectPatches hold it (the later one where two overlap: objects are drawn in
+// order, so it is on top), or -1 for the background.
+std::vector<int> PatchOwners(const Scene& s, int size, int grid);
 
 // What a training conversation is made of (the defaults are the held-out split's).
 struct ConversationMix {

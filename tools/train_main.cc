@@ -51,6 +51,9 @@ struct Example {
   std::vector<float> pixels;  // [3, S, S]
   // Attention supervision: each short answer's objects (tools/attention_supervision.h).
   std::vector<llava::AttentionTarget> attn_targets;
+  // Patch supervision (--patch-weight): per image patch, the shape, colour and size class of
+  // the object it shows (kNumShapes / kNumColours / kNumSizes = background).
+  std::vector<int64_t> patch_shape, patch_colour, patch_size;
 };
 
 // What the training conversations are made of (tools/shapes_world.h SampleConversation) and
@@ -140,6 +143,13 @@ Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& confi
     img.width = img.height = config.vision.image_size;
     img.pixels = llava::shapes::RenderScene(scene, img.width, rng.Next());
     ex.pixels = llava::PreprocessImage(img, config.image_processor);
+    const int grid = config.vision.image_size / config.vision.patch_size;
+    for (int o : llava::shapes::PatchOwners(scene, config.vision.image_size, grid)) {
+      const llava::shapes::Object* obj = o < 0 ? nullptr : &scene.objects[o];
+      ex.patch_shape.push_back(obj ? obj->shape : llava::shapes::kNumShapes);
+      ex.patch_colour.push_back(obj ? obj->colour : llava::shapes::kNumColours);
+      ex.patch_size.push_back(obj ? obj->size : llava::shapes::kNumSizes);
+    }
     return ex;
   }
 }
@@ -237,7 +247,7 @@ int main(int argc, char** argv) {
   int64_t steps = 3000, warmup = 150, save_every = 250;
   int batch = 8, threads = 2, vocab = 512, corpus_scenes = 20000;
   bool bf16 = true, tie_embeddings = false;
-  double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, attn_weight = 0;
+  double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, attn_weight = 0, patch_weight = 0;
   DataMix mix;
   bool attn_report = false;
   std::vector<int> attn_layers = {1, 2};
@@ -284,6 +294,11 @@ int main(int argc, char** argv) {
   app.add_option("--attn-weight", attn_weight,
                  "weight of the attention supervision: head 0 of --attn-layers attends from each "
                  "short answer to the objects its question names (0 = off)")
+      ->capture_default_str();
+  app.add_option("--patch-weight", patch_weight,
+                 "weight of the patch supervision: a linear probe on the projector's output "
+                 "(trained alongside, never saved) classifies every image row's shape, colour and "
+                 "size (or background), so the image rows carry what the lookups need (0 = off)")
       ->capture_default_str();
   app.add_option("--attn-layers", attn_layers, "decoder layers whose head 0 is supervised")
       ->capture_default_str();
@@ -399,6 +414,17 @@ int main(int argc, char** argv) {
     n_params += t->numel();
     (t->dim() >= 2 && name.find("embed") == std::string::npos ? decay : no_decay).push_back(*t);
   }
+  // The patch probe: one linear map from the image rows to the three classifications.
+  constexpr int64_t kPatchClasses[3] = {
+      llava::shapes::kNumShapes + 1, llava::shapes::kNumColours + 1, llava::shapes::kNumSizes + 1};
+  at::Tensor probe_w, probe_b;
+  if (patch_weight > 0) {
+    const int64_t n = kPatchClasses[0] + kPatchClasses[1] + kPatchClasses[2];
+    probe_w = (torch::randn({n, config.text.hidden_size}) * 0.02).requires_grad_(true);
+    probe_b = torch::zeros({n}).requires_grad_(true);
+    decay.push_back(probe_w);
+    no_decay.push_back(probe_b);
+  }
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(
       decay, std::make_unique<torch::optim::AdamWOptions>(
@@ -425,7 +451,8 @@ int main(int argc, char** argv) {
 
   const auto t0 = std::chrono::steady_clock::now();
   llava::AttentionReport report;
-  double ema_loss = 0, ema_attn = 0, t_data = 0, t_forward = 0, t_backward = 0, t_update = 0;
+  double ema_loss = 0, ema_attn = 0, ema_patch = 0, t_data = 0, t_forward = 0, t_backward = 0,
+         t_update = 0;
   int64_t tokens_done = 0;
   for (int64_t step = 0; step < steps; ++step) {
     const double warm = std::min(1.0, (step + 1.0) / warmup);
@@ -444,9 +471,13 @@ int main(int argc, char** argv) {
     };
     std::vector<Example> examples;
     std::vector<float> pixels;
-    std::vector<int64_t> labels;
+    std::vector<int64_t> labels, patch_labels[3];
     for (int b = 0; b < batch; ++b) {
       examples.push_back(MakeExample(**tok, config, seed, step, b, mix));
+      const Example& e = examples.back();
+      patch_labels[0].insert(patch_labels[0].end(), e.patch_shape.begin(), e.patch_shape.end());
+      patch_labels[1].insert(patch_labels[1].end(), e.patch_colour.begin(), e.patch_colour.end());
+      patch_labels[2].insert(patch_labels[2].end(), e.patch_size.begin(), e.patch_size.end());
       pixels.insert(pixels.end(), examples.back().pixels.begin(), examples.back().pixels.end());
       labels.insert(labels.end(), examples.back().labels.begin(), examples.back().labels.end());
     }
@@ -483,6 +514,22 @@ int main(int argc, char** argv) {
       attn_loss = a.item<double>();
       loss = loss + attn_weight * a;
     }
+    double patch_loss = 0;
+    if (patch_weight > 0) {
+      // [B * N, classes]: each image row's shape, colour and size logits.
+      at::Tensor rows = features.to(at::kFloat).reshape({-1, features.size(-1)});
+      at::Tensor all = at::addmm(probe_b, rows, probe_w.t());
+      at::Tensor p = at::zeros({}, at::kFloat);
+      int64_t from = 0;
+      for (int k = 0; k < 3; ++k) {
+        p = p + at::cross_entropy_loss(all.narrow(1, from, kPatchClasses[k]),
+                                       at::tensor(patch_labels[k], at::kLong));
+        from += kPatchClasses[k];
+      }
+      p = p / 3;
+      patch_loss = p.item<double>();
+      loss = loss + patch_weight * p;
+    }
     autocast.reset();
     lap(&t_forward);
     optimizer.zero_grad();
@@ -497,16 +544,18 @@ int main(int argc, char** argv) {
     const double l = lm_loss;
     ema_loss = step == 0 ? l : 0.95 * ema_loss + 0.05 * l;
     ema_attn = step == 0 ? attn_loss : 0.95 * ema_attn + 0.05 * attn_loss;
+    ema_patch = step == 0 ? patch_loss : 0.95 * ema_patch + 0.05 * patch_loss;
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (step % 10 == 0 || step + 1 == steps) {
       const double eta = elapsed / (step + 1) * (steps - step - 1);
       std::printf(
           "step %5lld/%lld  loss %.4f (ema %.4f)  lr %.2e  %.0f tok/s  elapsed %.1f min  ETA %.1f "
-          "min%s\n",
+          "min%s%s\n",
           static_cast<long long>(step + 1), static_cast<long long>(steps), l, ema_loss, cur_lr,
           tokens_done / elapsed, elapsed / 60, eta / 60,
-          attn_weight > 0 ? ("  attention " + std::to_string(ema_attn)).c_str() : "");
+          attn_weight > 0 ? ("  attention " + std::to_string(ema_attn)).c_str() : "",
+          patch_weight > 0 ? ("  patches " + std::to_string(ema_patch)).c_str() : "");
       if (step % 100 == 0) {
         std::printf(
             "  time per step: data %.3f s, forward %.3f s, backward %.3f s, update %.3f s\n",
