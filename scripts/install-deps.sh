@@ -10,6 +10,7 @@ PACKAGES=(
   libtorch-dev libopenblas-dev        # OpenBLAS replaces reference BLAS for libtorch's fp32 GEMM
   libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
   libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev
+  libtcmalloc-minimal4                # llava-train's allocator (docs/TRAINING.md)
   # API / server / metrics
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev
