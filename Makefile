@@ -49,7 +49,7 @@ eval-default: build
 	  --budgets 1.0,0.8,0.5,0.3,0.2,0.1 --max-tokens 96 --out docs/eval
 
 # Ships a trained checkpoint as models/shapes-llava and redoes the test questions, docs/eval and
-# the ablation (scripts/ship_model.sh; ~15 min). Usage: make ship-model MODEL=build/shapes-llava
+# the ablation (scripts/ship_model.sh; ~3 min). Usage: make ship-model MODEL=build/shapes-llava
 ship-model: build
 	BUILD=$(BUILD) scripts/ship_model.sh $(MODEL)
 

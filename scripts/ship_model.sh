@@ -6,7 +6,7 @@
 #
 #   scripts/ship_model.sh build/shapes-llava        (or: make ship-model MODEL=build/shapes-llava)
 #
-# ~15 minutes on 2 cores; do not run it beside a training run.
+# ~3 minutes on 2 cores; do not run it beside a training run.
 set -euo pipefail
 model=${1:?usage: scripts/ship_model.sh CHECKPOINT_DIR}
 build=${BUILD:-build}

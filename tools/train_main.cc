@@ -62,6 +62,7 @@ struct DataMix {
   llava::shapes::ConversationMix conversation;
   bool absent_to_bos = false;  // --attn-absent: nothing named is there -> all on <s>
   bool per_object = false;     // --attn-count: <s> and each named object an equal share
+  bool patch_labels = false;   // --patch-weight: label every image patch (Example::patch_*)
 };
 
 // Builds the token ids of a whole conversation and marks the answer tokens. The template is
@@ -143,6 +144,7 @@ Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& confi
     img.width = img.height = config.vision.image_size;
     img.pixels = llava::shapes::RenderScene(scene, img.width, rng.Next());
     ex.pixels = llava::PreprocessImage(img, config.image_processor);
+    if (!mix.patch_labels) return ex;
     const int grid = config.vision.image_size / config.vision.patch_size;
     for (int o : llava::shapes::PatchOwners(scene, config.vision.image_size, grid)) {
       const llava::shapes::Object* obj = o < 0 ? nullptr : &scene.objects[o];
@@ -324,6 +326,7 @@ int main(int argc, char** argv) {
   app.add_option("--bf16", bf16, "bf16 autocast for the forward pass")->capture_default_str();
   app.add_option("--max-minutes", minutes, "stop (and save) after this long; 0 = no limit");
   CLI11_PARSE(app, argc, argv);
+  mix.patch_labels = patch_weight > 0;
   if (mix.conversation.min_questions < 1 ||
       mix.conversation.max_questions < mix.conversation.min_questions) {
     std::fprintf(stderr, "--min-questions / --max-questions: need 1 <= min <= max\n");
