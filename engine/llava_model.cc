@@ -520,7 +520,8 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
   return attn.size() == 1 ? attn[0] : at::cat(attn, 0);
 }
 
-at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
+at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
+                               std::vector<at::Tensor>* layer_outputs) const {
   const TextConfig& t = config_.text;
   const int64_t nh = t.num_attention_heads, nkv = t.num_key_value_heads, hd = t.head_dim;
   std::vector<at::Tensor> embeds;
@@ -563,6 +564,7 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks) const {
     at::Tensor gate_up = l.gate_up(hn);  // [N, 2F]
     const int64_t f = t.intermediate_size;
     x = x + l.down(at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f));
+    if (layer_outputs != nullptr) layer_outputs->push_back(x);
   }
   for (const SequenceChunk& c : chunks) {
     if (c.prompt_continues) {

@@ -106,8 +106,11 @@ class LlavaModel {
   // attention against each sequence's own cache (caches are ragged): one DecodeAttention call
   // for all one-token chunks on the CPU, CachedAttention per chunk otherwise. Appends each chunk's
   // K/V to its cache and calls cache->OnForwardDone(n). Returns fp32 logits, one row per chunk (or
-  // n rows for chunks with all_logits), in chunk order: [rows, V].
-  at::Tensor Forward(const std::vector<SequenceChunk>& chunks) const;
+  // n rows for chunks with all_logits), in chunk order: [rows, V]. With `layer_outputs` (the
+  // trainer's probes), it also receives the residual stream after every decoder layer, [N, D]
+  // with all chunks' rows in chunk order.
+  at::Tensor Forward(const std::vector<SequenceChunk>& chunks,
+                     std::vector<at::Tensor>* layer_outputs = nullptr) const;
 
  private:
   LlavaModel() = default;

@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
@@ -187,6 +190,34 @@ TEST_F(TinyModelTest, BatchOfTwoEqualsEachAlone) {
       {{model_->Embed(na), 9, ba.get(), false}, {model_->Embed(nb), 14, bb.get(), false}});
   EXPECT_LT(Nmse(step[0], step_a[0]), 1e-10);
   EXPECT_LT(Nmse(step[1], step_b[0]), 1e-10);
+}
+
+TEST_F(TinyModelTest, LayerOutputsAreTheResidualStreamInChunkOrder) {
+  // The trainer's count probe reads these rows (tools/train_main.cc --count-weight).
+  ASSERT_NE(model_, nullptr);
+  const TextConfig& t = model_->config().text;
+  at::Tensor a = RandomIds(9, 4), b = RandomIds(14, 5);
+  auto ca = model_->NewFullCache(), cb = model_->NewFullCache();
+  std::vector<at::Tensor> alone_b;
+  model_->Forward({{model_->Embed(b), 0, cb.get(), true}}, &alone_b);
+  auto ba = model_->NewFullCache(), bb = model_->NewFullCache();
+  std::vector<at::Tensor> both;
+  at::Tensor logits = model_->Forward(
+      {{model_->Embed(a), 0, ba.get(), true}, {model_->Embed(b), 0, bb.get(), true}}, &both);
+  ASSERT_EQ(both.size(), static_cast<size_t>(t.num_hidden_layers));
+  ASSERT_EQ(alone_b.size(), both.size());
+  for (size_t l = 0; l < both.size(); ++l) {
+    ASSERT_EQ(both[l].sizes(), (at::IntArrayRef{23, t.hidden_size}));
+    EXPECT_LT(Nmse(both[l].narrow(0, 9, 14), alone_b[l]), 1e-10) << "layer " << l;
+  }
+  EXPECT_GT(Nmse(both[0], both[1]), 1e-3);  // every layer's own output, not one tensor twice
+  // The last one is what the output head reads: final norm, then lm_head.
+  std::map<std::string, at::Tensor*> w;
+  for (auto& [name, tensor] : model_->MutableParameters()) w[name] = tensor;
+  at::Tensor* head = w.count("lm_head.weight") ? w["lm_head.weight"] : w["lm.embed_tokens.weight"];
+  at::Tensor want =
+      at::linear(RmsNorm(both.back(), *w["lm.norm.weight"], t.rms_norm_eps), *head).to(at::kFloat);
+  EXPECT_LT(Nmse(logits, want), 1e-10);
 }
 
 TEST_F(TinyModelTest, ImageFeaturesHaveConfiguredShapeAndDependOnPixels) {

@@ -54,6 +54,11 @@ struct Example {
   // Patch supervision (--patch-weight): per image patch, the shape, colour and size class of
   // the object it shows (kNumShapes / kNumColours / kNumSizes = background).
   std::vector<int64_t> patch_shape, patch_colour, patch_size;
+  // Count supervision (--count-weight): the rows that predict each answer's first token, and
+  // the scene's inventory, how many objects of each shape then of each colour (kNumShapes +
+  // kNumColours entries).
+  std::vector<int64_t> answer_rows;
+  std::vector<int64_t> inventory;
 };
 
 // What the training conversations are made of (tools/shapes_world.h SampleConversation) and
@@ -100,6 +105,12 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
   ex->labels.resize(end);
   ex->image_offsets = all->image_offsets;
   const int size = config.vision.image_size, grid = size / config.vision.patch_size;
+  for (size_t start : answer_starts) ex->answer_rows.push_back(static_cast<int64_t>(start) - 1);
+  ex->inventory.assign(llava::shapes::kNumShapes + llava::shapes::kNumColours, 0);
+  for (const llava::shapes::Object& o : scene.objects) {
+    ++ex->inventory[o.shape];
+    ++ex->inventory[llava::shapes::kNumShapes + o.colour];
+  }
   for (size_t i = 0; i < turns.size(); ++i) {
     std::vector<std::vector<int64_t>> objects;
     std::vector<int> named = llava::shapes::NamedObjects(scene, turns[i].question);
@@ -249,7 +260,9 @@ int main(int argc, char** argv) {
   int64_t steps = 3000, warmup = 150, save_every = 250;
   int batch = 8, threads = 2, vocab = 512, corpus_scenes = 20000;
   bool bf16 = true, tie_embeddings = false;
-  double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, attn_weight = 0, patch_weight = 0;
+  double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, attn_weight = 0, patch_weight = 0,
+         count_weight = 0;
+  int count_layer = 2;
   DataMix mix;
   bool attn_report = false;
   std::vector<int> attn_layers = {1, 2};
@@ -301,6 +314,14 @@ int main(int argc, char** argv) {
                  "weight of the patch supervision: a linear probe on the projector's output "
                  "(trained alongside, never saved) classifies every image row's shape, colour and "
                  "size (or background), so the image rows carry what the lookups need (0 = off)")
+      ->capture_default_str();
+  app.add_option("--count-weight", count_weight,
+                 "weight of the count supervision: a linear probe on the residual stream after "
+                 "--count-layer (trained alongside, never saved) reads, from the row that predicts "
+                 "every answer, how many objects of each shape and of each colour the image holds "
+                 "(0 = off)")
+      ->capture_default_str();
+  app.add_option("--count-layer", count_layer, "decoder layer whose output the count probe reads")
       ->capture_default_str();
   app.add_option("--attn-layers", attn_layers, "decoder layers whose head 0 is supervised")
       ->capture_default_str();
@@ -428,6 +449,22 @@ int main(int argc, char** argv) {
     decay.push_back(probe_w);
     no_decay.push_back(probe_b);
   }
+  // The count probe: per answer row, kNumShapes + kNumColours classifications over 0..6.
+  constexpr int64_t kInventory = llava::shapes::kNumShapes + llava::shapes::kNumColours;
+  constexpr int64_t kCountClasses = 7;  // a scene holds at most 6 objects
+  if (count_weight > 0 && (count_layer < 0 || count_layer >= config.text.num_hidden_layers)) {
+    std::fprintf(stderr, "--count-layer: %d is not one of the decoder's %d layers\n", count_layer,
+                 config.text.num_hidden_layers);
+    return 2;
+  }
+  at::Tensor count_w, count_b;
+  if (count_weight > 0) {
+    count_w = (torch::randn({kInventory * kCountClasses, config.text.hidden_size}) * 0.02)
+                  .requires_grad_(true);
+    count_b = torch::zeros({kInventory * kCountClasses}).requires_grad_(true);
+    decay.push_back(count_w);
+    no_decay.push_back(count_b);
+  }
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(
       decay, std::make_unique<torch::optim::AdamWOptions>(
@@ -454,8 +491,8 @@ int main(int argc, char** argv) {
 
   const auto t0 = std::chrono::steady_clock::now();
   llava::AttentionReport report;
-  double ema_loss = 0, ema_attn = 0, ema_patch = 0, t_data = 0, t_forward = 0, t_backward = 0,
-         t_update = 0;
+  double ema_loss = 0, ema_attn = 0, ema_patch = 0, ema_count = 0, t_data = 0, t_forward = 0,
+         t_backward = 0, t_update = 0;
   int64_t tokens_done = 0;
   for (int64_t step = 0; step < steps; ++step) {
     const double warm = std::min(1.0, (step + 1.0) / warmup);
@@ -492,7 +529,9 @@ int main(int argc, char** argv) {
     at::Tensor features = model.EncodeImages(pv);  // [B, N, D]
     std::vector<std::unique_ptr<llava::KvCache>> caches;
     std::vector<llava::SequenceChunk> chunks;
-    std::vector<at::Tensor> attn_terms;  // one per supervised answer and layer
+    std::vector<at::Tensor> attn_terms;          // one per supervised answer and layer
+    std::vector<int64_t> count_rows, inventory;  // rows of the batch, their scenes' counts
+    int64_t batch_row = 0;
     for (int b = 0; b < batch; ++b) {
       caches.push_back(model.NewFullCache());
       if (attn_weight > 0 || attn_report) {
@@ -505,9 +544,16 @@ int main(int argc, char** argv) {
           model.EmbedPrompt(examples[b].ids, examples[b].image_offsets, features.narrow(0, b, 1));
       c.cache = caches.back().get();
       c.all_logits = true;
+      for (int64_t r : examples[b].answer_rows) {
+        count_rows.push_back(batch_row + r);
+        inventory.insert(inventory.end(), examples[b].inventory.begin(),
+                         examples[b].inventory.end());
+      }
+      batch_row += c.embeds.size(0);
       chunks.push_back(c);
     }
-    at::Tensor logits = model.Forward(chunks);
+    std::vector<at::Tensor> layer_outputs;
+    at::Tensor logits = model.Forward(chunks, count_weight > 0 ? &layer_outputs : nullptr);
     at::Tensor target = at::tensor(labels, at::kLong);
     at::Tensor loss = at::cross_entropy_loss(logits, target, {}, at::Reduction::Mean, kIgnore);
     const double lm_loss = loss.item<double>();
@@ -533,6 +579,19 @@ int main(int argc, char** argv) {
       patch_loss = p.item<double>();
       loss = loss + patch_weight * p;
     }
+    double count_loss = 0;
+    if (count_weight > 0) {
+      // The answer rows' residual stream, RMS-normalised, -> [rows, kInventory, 7] logits.
+      at::Tensor h = layer_outputs[count_layer]
+                         .index_select(0, at::tensor(count_rows, at::kLong))
+                         .to(at::kFloat);
+      h = h * at::rsqrt(h.pow(2).mean(-1, true) + 1e-5);
+      at::Tensor all = at::addmm(count_b, h, count_w.t()).to(at::kFloat);
+      at::Tensor c = at::cross_entropy_loss(all.reshape({-1, kCountClasses}),
+                                            at::tensor(inventory, at::kLong));
+      count_loss = c.item<double>();
+      loss = loss + count_weight * c;
+    }
     autocast.reset();
     lap(&t_forward);
     optimizer.zero_grad();
@@ -548,17 +607,19 @@ int main(int argc, char** argv) {
     ema_loss = step == 0 ? l : 0.95 * ema_loss + 0.05 * l;
     ema_attn = step == 0 ? attn_loss : 0.95 * ema_attn + 0.05 * attn_loss;
     ema_patch = step == 0 ? patch_loss : 0.95 * ema_patch + 0.05 * patch_loss;
+    ema_count = step == 0 ? count_loss : 0.95 * ema_count + 0.05 * count_loss;
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (step % 10 == 0 || step + 1 == steps) {
       const double eta = elapsed / (step + 1) * (steps - step - 1);
       std::printf(
           "step %5lld/%lld  loss %.4f (ema %.4f)  lr %.2e  %.0f tok/s  elapsed %.1f min  ETA %.1f "
-          "min%s%s\n",
+          "min%s%s%s\n",
           static_cast<long long>(step + 1), static_cast<long long>(steps), l, ema_loss, cur_lr,
           tokens_done / elapsed, elapsed / 60, eta / 60,
           attn_weight > 0 ? ("  attention " + std::to_string(ema_attn)).c_str() : "",
-          patch_weight > 0 ? ("  patches " + std::to_string(ema_patch)).c_str() : "");
+          patch_weight > 0 ? ("  patches " + std::to_string(ema_patch)).c_str() : "",
+          count_weight > 0 ? ("  counts " + std::to_string(ema_count)).c_str() : "");
       if (step % 100 == 0) {
         std::printf(
             "  time per step: data %.3f s, forward %.3f s, backward %.3f s, update %.3f s\n",
