@@ -117,7 +117,7 @@ Scene SampleScene(Rng& rng) {
   Scene s;
   s.background = rng.Uniform(3);
   s.textured = rng.Chance(0.5);
-  const int n = 1 + rng.Uniform(6);
+  const int n = 1 + rng.Uniform(kMaxObjects);
   std::vector<int> cells(kNumCells);
   for (int i = 0; i < kNumCells; ++i) cells[i] = i;
   for (int i = kNumCells - 1; i > 0; --i) std::swap(cells[i], cells[rng.Uniform(i + 1)]);

@@ -451,7 +451,7 @@ int main(int argc, char** argv) {
   }
   // The count probe: per answer row, kNumShapes + kNumColours classifications over 0..6.
   constexpr int64_t kInventory = llava::shapes::kNumShapes + llava::shapes::kNumColours;
-  constexpr int64_t kCountClasses = 7;  // a scene holds at most 6 objects
+  constexpr int64_t kCountClasses = llava::shapes::kMaxObjects + 1;
   if (count_weight > 0 && (count_layer < 0 || count_layer >= config.text.num_hidden_layers)) {
     std::fprintf(stderr, "--count-layer: %d is not one of the decoder's %d layers\n", count_layer,
                  config.text.num_hidden_layers);
