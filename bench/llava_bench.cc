@@ -137,36 +137,61 @@ double DecodeWeightBytes(const llava::LlavaConfig& c) {
 
 // Elastic Cache's costs and savings at 7B layer shapes (issue 3): prefill overhead (importance
 // from the attention probabilities + merge) on a LLaVA-sized prompt, and the decode step time
-// with a long context, Elastic at gamma = 0.2 vs Full.
+// with a long context, Elastic at gamma = 0.2 vs Full; both Elastic presets (the product default
+// and the paper's). The prompt is laid out as a chat prompt: 4 text tokens, an image, and a
+// 20-token instruction.
 void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int steps, int reps,
                  double gamma) {
   const int64_t vocab = model.config().text.vocab_size;
-  llava::CacheParams elastic;
-  elastic.policy = llava::CachePolicy::kElastic;
-  elastic.budget = gamma;
+  auto layout = [](int64_t t) {
+    llava::PromptSegments s;
+    const int64_t instruction = std::min<int64_t>(20, t / 4);
+    s.images = {{std::min<int64_t>(4, t), t - instruction}};
+    s.instruction = {t - instruction, t};
+    return s;
+  };
+  llava::CacheParams full{llava::CachePolicy::kFull};
+  std::vector<std::pair<std::string, llava::CacheParams>> variants;
+  for (const char* spec : {"elastic", "elastic+paper"}) {
+    llava::CacheParams base;
+    base.budget = gamma;
+    variants.emplace_back(spec, *llava::ParseCacheSpec(spec, base));
+  }
   auto time_prefill = [&](const llava::CacheParams& p, const at::Tensor& emb) {
-    auto cache = llava::NewKvCache(model.kv_layout(), p);
+    auto cache = llava::NewKvCache(model.kv_layout(), p, layout(emb.size(0)));
     const auto t0 = Clock::now();
     model.Forward({{emb, 0, cache.get(), false}});
     return Seconds(t0);
   };
-  std::vector<double> full_s, elastic_s;
+  std::vector<double> full_s;
+  std::vector<std::vector<double>> variant_s(variants.size());
   for (int r = 0; r < reps; ++r) {
     at::Tensor emb = model.Embed(at::randint(3, vocab, {prompt}, at::kLong));
-    full_s.push_back(time_prefill(llava::CacheParams{llava::CachePolicy::kFull}, emb));
-    elastic_s.push_back(time_prefill(elastic, emb));
+    full_s.push_back(time_prefill(full, emb));
+    for (size_t v = 0; v < variants.size(); ++v) {
+      variant_s[v].push_back(time_prefill(variants[v].second, emb));
+    }
   }
-  const double pf = Median(full_s), pe = Median(elastic_s);
-  std::printf("prefill  prompt=%d  full %.3f s  elastic(%.2f) %.3f s  overhead %.1f%%\n", prompt,
-              pf, gamma, pe, 100 * (pe / pf - 1));
+  const double pf = Median(full_s);
+  std::string machine =
+      "suite=policies layers=" + std::to_string(model.config().text.num_hidden_layers) +
+      " prompt=" + std::to_string(prompt) + " context=" + std::to_string(context);
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), " prefill_full_s=%.3f", pf);
+  machine += buf;
+  for (size_t v = 0; v < variants.size(); ++v) {
+    const double pe = Median(variant_s[v]);
+    std::printf("prefill  prompt=%d  full %.3f s  %s(%.2f) %.3f s  overhead %.1f%%\n", prompt, pf,
+                variants[v].first.c_str(), gamma, pe, 100 * (pe / pf - 1));
+    std::snprintf(buf, sizeof(buf), " prefill_overhead[%s]=%.3f", variants[v].first.c_str(),
+                  pe / pf - 1);
+    machine += buf;
+  }
 
   // Decode at `context` cached tokens: prefill once per policy, then time single steps.
   at::Tensor ctx = model.Embed(at::randint(3, vocab, {context}, at::kLong));
-  double step_s[2] = {0, 0};
-  int64_t bytes[2] = {0, 0}, full_bytes = 0;
-  for (int k = 0; k < 2; ++k) {
-    auto cache = llava::NewKvCache(
-        model.kv_layout(), k == 0 ? llava::CacheParams{llava::CachePolicy::kFull} : elastic);
+  auto decode = [&](const llava::CacheParams& p, int64_t* bytes, int64_t* full_bytes) {
+    auto cache = llava::NewKvCache(model.kv_layout(), p, layout(context));
     model.Forward({{ctx, 0, cache.get(), false}});
     std::vector<double> runs;
     for (int s = 0; s < steps; ++s) {
@@ -175,20 +200,27 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
       model.Forward({{e, cache->NextPosition(), cache.get(), false}});
       runs.push_back(Seconds(t0));
     }
-    step_s[k] = Median(runs);
-    bytes[k] = cache->Stats().bytes_kept;
-    full_bytes = cache->Stats().full_equivalent_bytes;
+    *bytes = cache->Stats().bytes_kept;
+    *full_bytes = cache->Stats().full_equivalent_bytes;
+    return Median(runs);
+  };
+  int64_t bytes_full = 0, full_equivalent = 0;
+  const double step_full = decode(full, &bytes_full, &full_equivalent);
+  std::snprintf(buf, sizeof(buf), " step_full_ms=%.2f", 1e3 * step_full);
+  machine += buf;
+  for (const auto& [name, params] : variants) {
+    int64_t bytes = 0;
+    const double step = decode(params, &bytes, &full_equivalent);
+    std::printf(
+        "decode   context=%d  full %.1f ms/step  %s(%.2f) %.1f ms/step  ratio %.3f  "
+        "kv kept/full %.4f\n",
+        context, 1e3 * step_full, name.c_str(), gamma, 1e3 * step, step / step_full,
+        double(bytes) / full_equivalent);
+    std::snprintf(buf, sizeof(buf), " step_ratio[%s]=%.3f kv_kept_ratio[%s]=%.4f", name.c_str(),
+                  step / step_full, name.c_str(), double(bytes) / full_equivalent);
+    machine += buf;
   }
-  std::printf("decode   context=%d  full %.1f ms/step  elastic(%.2f) %.1f ms/step  ratio %.3f\n",
-              context, 1e3 * step_s[0], gamma, 1e3 * step_s[1], step_s[1] / step_s[0]);
-  std::printf("kv bytes full %.1f MB  elastic %.1f MB  kept/full %.4f (gamma %.2f)\n",
-              bytes[0] / 1e6, bytes[1] / 1e6, double(bytes[1]) / full_bytes, gamma);
-  std::printf(
-      "suite=policies layers=%d prompt=%d prefill_full_s=%.3f prefill_elastic_s=%.3f "
-      "prefill_overhead=%.3f context=%d step_full_ms=%.2f step_elastic_ms=%.2f "
-      "step_ratio=%.3f kv_kept_ratio=%.4f\n",
-      model.config().text.num_hidden_layers, prompt, pf, pe, pe / pf - 1, context, 1e3 * step_s[0],
-      1e3 * step_s[1], step_s[1] / step_s[0], double(bytes[1]) / full_bytes);
+  std::printf("kv bytes full %.1f MB\n%s\n", bytes_full / 1e6, machine.c_str());
 }
 
 }  // namespace

@@ -42,7 +42,7 @@ std::string MimeOf(const std::string& path) {
 }
 
 struct Options {
-  std::string server = "127.0.0.1:50051", system, policy, position_mode;
+  std::string server = "127.0.0.1:50051", system, policy, position_mode, elastic_variant;
   int max_tokens = 0, top_k = -1, recent_distance = 0, sink_tokens = -1;
   float temperature = -1, top_p = -1, repetition_penalty = -1;
   double budget = -1, timeout_s = 600;
@@ -75,6 +75,11 @@ bool FillRequest(const Options& o, ChatRequest* r) {
   if (o.recent_distance > 0) kv->set_recent_distance(o.recent_distance);
   if (o.sink_tokens >= 0) kv->set_sink_tokens(o.sink_tokens);
   if (o.position_mode == "compressed") kv->set_position_mode(llava::v1::POSITION_MODE_COMPRESSED);
+  if (o.elastic_variant == "paper")
+    kv->mutable_elastic()->set_variant(llava::v1::ELASTIC_VARIANT_PAPER);
+  if (o.elastic_variant == "product") {
+    kv->mutable_elastic()->set_variant(llava::v1::ELASTIC_VARIANT_PRODUCT);
+  }
   return true;
 }
 
@@ -147,6 +152,9 @@ int main(int argc, char** argv) {
   app.add_option("--recent-distance", o.recent_distance);
   app.add_option("--sink-tokens", o.sink_tokens);
   app.add_option("--position-mode", o.position_mode, "original | compressed");
+  app.add_option("--elastic-variant", o.elastic_variant,
+                 "product (the default Elastic) | paper (the method as published)")
+      ->check(CLI::IsMember({"product", "paper"}));
   app.add_option("--timeout", o.timeout_s, "seconds per answer")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 

@@ -2,32 +2,83 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
+#include <cstdlib>
+
+#include "engine/kv_policy.h"
 
 namespace llava {
+namespace {
 
-const char* CachePolicyName(CachePolicy p) {
-  switch (p) {
-    case CachePolicy::kFull:
-      return "full";
-    case CachePolicy::kElastic:
-      return "elastic";
-    case CachePolicy::kH2O:
-      return "h2o";
-    case CachePolicy::kStreamingLLM:
-      return "streaming_llm";
+template <typename E, size_t N>
+StatusOr<E> ParseEnum(std::string_view name, const char* field, const E (&values)[N],
+                      const char* (*to_name)(E)) {
+  std::string known;
+  for (E v : values) {
+    if (name == to_name(v)) return v;
+    known += (known.empty() ? "" : ", ") + std::string(to_name(v));
   }
-  return "?";
+  return InvalidArgument(std::string(field) + " '" + std::string(name) + "' is unknown (" + known +
+                         ")");
 }
 
-StatusOr<CachePolicy> ParseCachePolicy(std::string_view name) {
-  for (CachePolicy p :
-       {CachePolicy::kFull, CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM}) {
-    if (name == CachePolicyName(p)) return p;
+}  // namespace
+
+ElasticParams ElasticPreset(ElasticVariant v) {
+  ElasticParams p;
+  if (v == ElasticVariant::kPaper) return p;
+  // The product default (docs/POLICIES.md, "Elastic that keeps the question").
+  p.protect_instruction = true;
+  p.protect_system = true;
+  p.importance = ImportanceMode::kInstruction;
+  p.merge_scope = MergeScope::kSegment;
+  p.weighted_merge = true;
+  p.eviction = DecodeEviction::kScored;
+  return p;
+}
+
+const char* ElasticVariantName(ElasticVariant v) {
+  return v == ElasticVariant::kPaper ? "paper" : "product";
+}
+
+StatusOr<ElasticVariant> ParseElasticVariant(std::string_view name) {
+  static constexpr ElasticVariant kAll[] = {ElasticVariant::kProduct, ElasticVariant::kPaper};
+  return ParseEnum(name, "kv_cache.elastic.variant", kAll, ElasticVariantName);
+}
+
+int CacheParams::sinks() const {
+  return sink_tokens >= 0 ? sink_tokens : KvPolicyInfoOf(policy).default_sinks;
+}
+
+std::vector<int> PromptSegments::SegmentIds(int64_t length) const {
+  std::vector<int> ids(length, 0);
+  int next = 0;
+  int64_t at = 0;
+  for (const Span& img : images) {
+    const int64_t b = std::min(img.begin, length), e = std::min(img.end, length);
+    if (at < b) {
+      std::fill(ids.begin() + at, ids.begin() + b, next);
+      ++next;
+    }
+    std::fill(ids.begin() + b, ids.begin() + e, next);
+    ++next;
+    at = e;
   }
-  if (name == "streaming" || name == "local") return CachePolicy::kStreamingLLM;
-  return InvalidArgument("kv_cache.policy '" + std::string(name) +
-                         "' is unknown (full, elastic, h2o, streaming_llm)");
+  std::fill(ids.begin() + std::min(at, length), ids.end(), next);
+  return ids;
+}
+
+const char* CachePolicyName(CachePolicy p) { return KvPolicyInfoOf(p).name; }
+
+StatusOr<CachePolicy> ParseCachePolicy(std::string_view name) {
+  std::string known;
+  for (const KvPolicyInfo& info : KvPolicyRegistry()) {
+    if (name == info.name) return info.id;
+    for (const char* alias : info.aliases) {
+      if (alias != nullptr && name == alias) return info.id;
+    }
+    known += (known.empty() ? "" : ", ") + std::string(info.name);
+  }
+  return InvalidArgument("kv_cache.policy '" + std::string(name) + "' is unknown (" + known + ")");
 }
 
 const char* PositionModeName(PositionMode m) {
@@ -35,48 +86,126 @@ const char* PositionModeName(PositionMode m) {
 }
 
 StatusOr<PositionMode> ParsePositionMode(std::string_view name) {
-  if (name == "original") return PositionMode::kOriginal;
-  if (name == "compressed") return PositionMode::kCompressed;
-  return InvalidArgument("kv_cache.position_mode '" + std::string(name) +
-                         "' is unknown (original, compressed)");
+  static constexpr PositionMode kAll[] = {PositionMode::kOriginal, PositionMode::kCompressed};
+  return ParseEnum(name, "kv_cache.position_mode", kAll, PositionModeName);
 }
 
-int CacheParams::sinks() const {
-  if (sink_tokens >= 0) return sink_tokens;
-  switch (policy) {
-    case CachePolicy::kElastic:
-      return 1;
-    case CachePolicy::kStreamingLLM:
-      return 4;
-    default:
-      return 0;
+const char* ImportanceModeName(ImportanceMode m) {
+  switch (m) {
+    case ImportanceMode::kSum:
+      return "sum";
+    case ImportanceMode::kMean:
+      return "mean";
+    case ImportanceMode::kInstruction:
+      return "instruction";
   }
+  return "?";
 }
 
-int64_t CacheParams::Protected(int64_t n) const {
-  const int64_t p = policy == CachePolicy::kH2O ? 1 : sinks() + 1;
-  return std::min(n, p);
+StatusOr<ImportanceMode> ParseImportanceMode(std::string_view name) {
+  static constexpr ImportanceMode kAll[] = {ImportanceMode::kSum, ImportanceMode::kMean,
+                                            ImportanceMode::kInstruction};
+  return ParseEnum(name, "kv_cache.elastic.importance", kAll, ImportanceModeName);
 }
 
-int64_t CacheParams::EntryTarget(int64_t n) const {
-  if (policy == CachePolicy::kFull) return n;
-  return std::min(n, std::max(Protected(n), CeilBudget(budget, n)));
+const char* MergeScopeName(MergeScope s) {
+  return s == MergeScope::kNearest ? "nearest" : "segment";
+}
+
+StatusOr<MergeScope> ParseMergeScope(std::string_view name) {
+  static constexpr MergeScope kAll[] = {MergeScope::kNearest, MergeScope::kSegment};
+  return ParseEnum(name, "kv_cache.elastic.merge_scope", kAll, MergeScopeName);
+}
+
+StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& base) {
+  if (spec == "elastic_drop") return ParseCacheSpec("elastic+paper+merge=0", base);
+  if (spec == "elastic_mean") return ParseCacheSpec("elastic+paper+importance=mean", base);
+  std::vector<std::string> parts;
+  for (size_t at = 0;;) {
+    const size_t plus = spec.find('+', at);
+    parts.emplace_back(spec.substr(at, plus == std::string_view::npos ? plus : plus - at));
+    if (plus == std::string_view::npos) break;
+    at = plus + 1;
+  }
+  CacheParams p = base;
+  LLAVA_ASSIGN_OR_RETURN(p.policy, ParseCachePolicy(parts[0]));
+  auto flag = [](const std::string& key, const std::string& v) -> StatusOr<bool> {
+    if (v == "1" || v == "true") return true;
+    if (v == "0" || v == "false") return false;
+    return InvalidArgument("kv_cache option " + key + " must be 0 or 1, got '" + v + "'");
+  };
+  auto number = [](const std::string& key, const std::string& v) -> StatusOr<int> {
+    char* end = nullptr;
+    const long x = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || x < -1 || x > 1 << 20) {
+      return InvalidArgument("kv_cache option " + key + " must be an integer, got '" + v + "'");
+    }
+    return static_cast<int>(x);
+  };
+  ElasticParams& e = p.elastic;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string& opt = parts[i];
+    const size_t eq = opt.find('=');
+    if (eq == std::string::npos) {
+      LLAVA_ASSIGN_OR_RETURN(p.elastic_variant, ParseElasticVariant(opt));
+      e = ElasticPreset(p.elastic_variant);
+      continue;
+    }
+    const std::string key = opt.substr(0, eq), v = opt.substr(eq + 1);
+    if (key == "protect_instruction") {
+      LLAVA_ASSIGN_OR_RETURN(e.protect_instruction, flag(key, v));
+    } else if (key == "protect_system") {
+      LLAVA_ASSIGN_OR_RETURN(e.protect_system, flag(key, v));
+    } else if (key == "importance") {
+      LLAVA_ASSIGN_OR_RETURN(e.importance, ParseImportanceMode(v));
+    } else if (key == "merge_scope") {
+      LLAVA_ASSIGN_OR_RETURN(e.merge_scope, ParseMergeScope(v));
+    } else if (key == "weighted") {
+      LLAVA_ASSIGN_OR_RETURN(e.weighted_merge, flag(key, v));
+    } else if (key == "evict") {
+      LLAVA_ASSIGN_OR_RETURN(e.eviction, ParseDecodeEviction(v));
+    } else if (key == "merge") {
+      LLAVA_ASSIGN_OR_RETURN(e.merge, flag(key, v));
+    } else if (key == "recent") {
+      LLAVA_ASSIGN_OR_RETURN(e.recent_distance, number(key, v));
+    } else if (key == "sinks") {
+      LLAVA_ASSIGN_OR_RETURN(p.sink_tokens, number(key, v));
+    } else if (key == "position") {
+      LLAVA_ASSIGN_OR_RETURN(p.position_mode, ParsePositionMode(v));
+    } else {
+      return InvalidArgument("kv_cache option '" + key + "' is unknown in '" + std::string(spec) +
+                             "'");
+    }
+  }
+  LLAVA_RETURN_IF_ERROR(ValidateCacheParams(p));
+  return p;
+}
+
+const char* DecodeEvictionName(DecodeEviction e) {
+  switch (e) {
+    case DecodeEviction::kFixedPoint:
+      return "fixed_point";
+    case DecodeEviction::kScored:
+      return "scored";
+  }
+  return "?";
+}
+
+StatusOr<DecodeEviction> ParseDecodeEviction(std::string_view name) {
+  static constexpr DecodeEviction kAll[] = {DecodeEviction::kFixedPoint, DecodeEviction::kScored};
+  return ParseEnum(name, "kv_cache.elastic.eviction", kAll, DecodeEvictionName);
 }
 
 Status ValidateCacheParams(const CacheParams& p, int64_t max_sink_tokens) {
   if (!(p.budget > 0.0 && p.budget <= 1.0)) {  // also rejects NaN
     return InvalidArgument("kv_cache.budget must be in (0, 1], got " + std::to_string(p.budget));
   }
-  if (p.recent_distance < 1) {
-    return InvalidArgument("kv_cache.recent_distance must be >= 1, got " +
-                           std::to_string(p.recent_distance));
-  }
   if (p.sink_tokens < -1 || p.sink_tokens > max_sink_tokens) {
     return InvalidArgument("kv_cache.sink_tokens must be in [0, " +
                            std::to_string(max_sink_tokens) + "], got " +
                            std::to_string(p.sink_tokens));
   }
-  return Status::Ok();
+  return KvPolicyInfoOf(p.policy).validate(p);
 }
 
 int64_t CeilBudget(double gamma, int64_t n) {
@@ -86,96 +215,8 @@ int64_t CeilBudget(double gamma, int64_t n) {
   return static_cast<int64_t>(std::ceil(x));
 }
 
-MergePlan PlanElasticMerge(const std::vector<float>& importance, const CacheParams& params) {
-  const int64_t t = static_cast<int64_t>(importance.size());
-  MergePlan plan;
-  plan.bucket.assign(t, -1);
-  if (t == 0) return plan;
-  const int64_t sinks = std::min<int64_t>(params.sinks(), t);
-  std::vector<bool> is_kept(t, false);
-  for (int64_t i = 0; i < sinks; ++i) is_kept[i] = true;
-  is_kept[t - 1] = true;
-  const int64_t n_protected = std::count(is_kept.begin(), is_kept.end(), true);
-  const int64_t k = params.EntryTarget(t);
-
-  std::vector<int64_t> candidates;
-  for (int64_t i = sinks; i < t - 1; ++i) candidates.push_back(i);
-  const int64_t n_anchors =
-      std::max<int64_t>(0, std::min<int64_t>(k - n_protected, candidates.size()));
-  std::stable_sort(candidates.begin(), candidates.end(), [&](int64_t a, int64_t b) {
-    return importance[a] > importance[b];  // stable: ties keep the earlier position first
-  });
-  std::vector<int64_t> anchors(candidates.begin(), candidates.begin() + n_anchors);
-  std::sort(anchors.begin(), anchors.end());
-  for (int64_t a : anchors) is_kept[a] = true;
-
-  for (int64_t i = 0; i < t; ++i) {
-    if (is_kept[i]) {
-      plan.bucket[i] = static_cast<int64_t>(plan.kept.size());
-      plan.kept.push_back(i);
-    }
-  }
-  // Unprotected, non-anchor positions join the nearest anchor (ties to the earlier one).
-  for (int64_t i = sinks; i < t - 1; ++i) {
-    if (is_kept[i]) continue;
-    if (anchors.empty() || !params.elastic_merge) {
-      ++plan.dropped;
-      continue;
-    }
-    auto next = std::lower_bound(anchors.begin(), anchors.end(), i);
-    int64_t best;
-    if (next == anchors.end()) {
-      best = anchors.back();
-    } else if (next == anchors.begin()) {
-      best = *next;
-    } else {
-      const int64_t after = *next, before = *(next - 1);
-      best = (i - before <= after - i) ? before : after;
-    }
-    plan.bucket[i] = plan.bucket[best];
-    ++plan.merged;
-  }
-  return plan;
-}
-
-int64_t ElasticFixedPoint(int64_t merged_length, const CacheParams& params) {
-  return std::max<int64_t>(params.sinks(), merged_length - params.recent_distance + 1);
-}
-
-std::vector<int64_t> StreamingKeep(int64_t len, int64_t target, int sinks) {
-  std::vector<int64_t> keep;
-  const int64_t s = std::min<int64_t>({sinks, len, target});
-  for (int64_t i = 0; i < s; ++i) keep.push_back(i);
-  for (int64_t i = std::max(s, len - (target - s)); i < len; ++i) keep.push_back(i);
-  return keep;
-}
-
-std::vector<int64_t> H2OKeep(const std::vector<float>& scores, int64_t target) {
-  const int64_t len = static_cast<int64_t>(scores.size());
-  if (target >= len) {
-    std::vector<int64_t> all(len);
-    std::iota(all.begin(), all.end(), 0);
-    return all;
-  }
-  const int64_t recent = target - target / 2;
-  std::vector<int64_t> older(len - recent);
-  std::iota(older.begin(), older.end(), 0);
-  std::stable_sort(older.begin(), older.end(),
-                   [&](int64_t a, int64_t b) { return scores[a] > scores[b]; });
-  std::vector<int64_t> keep(older.begin(), older.begin() + target / 2);
-  for (int64_t i = len - recent; i < len; ++i) keep.push_back(i);
-  std::sort(keep.begin(), keep.end());
-  return keep;
-}
-
-int64_t H2OVictim(const std::vector<float>& scores, int64_t target) {
-  const int64_t len = static_cast<int64_t>(scores.size());
-  const int64_t recent = target - target / 2;
-  int64_t victim = -1;
-  for (int64_t i = 0; i < len - recent; ++i) {
-    if (victim < 0 || scores[i] < scores[victim]) victim = i;
-  }
-  return victim;
+int64_t EntryTarget(double gamma, int64_t n, int64_t protected_entries) {
+  return std::min(n, std::max(protected_entries, CeilBudget(gamma, n)));
 }
 
 }  // namespace llava

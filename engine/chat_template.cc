@@ -11,6 +11,7 @@ class PromptBuilder {
       : tok_(tok), image_token_id_(image_token_id), image_tokens_(image_tokens) {
     out_.ids.push_back(tok.bos_id());
     out_.image_rows = image_tokens;
+    out_.instruction_begin = 1;
   }
   void Text(const std::string& text) { pending_ += text; }
   void Image() {
@@ -18,11 +19,20 @@ class PromptBuilder {
     out_.image_offsets.push_back(static_cast<int>(out_.ids.size()));
     out_.ids.insert(out_.ids.end(), image_tokens_, image_token_id_);
     after_marker_ = true;
+    out_.instruction_begin = static_cast<int>(out_.ids.size());
   }
   void Eos() {
     FlushText();
     out_.ids.push_back(tok_.eos_id());
     after_marker_ = true;
+    out_.instruction_begin = static_cast<int>(out_.ids.size());
+  }
+  // The system prompt is the first text run; its tokens alone give its extent.
+  void System(const std::string& text) {
+    Tokenizer::EncodeOptions opt;
+    opt.parse_special = false;
+    out_.system_end = 1 + static_cast<int>(tok_.Encode(text, opt).size());
+    Text(text);
   }
   PromptTokens Finish() {
     FlushText();
@@ -79,12 +89,14 @@ StatusOr<PromptTokens> BuildPrompt(const Tokenizer& tokenizer,
     }
     if (m.content.empty()) return InvalidArgument(field + ".content must not be empty");
     if (m.role == "system") {
+      std::string system;
       for (const auto& part : m.content) {
         if (part.kind != ContentPart::Kind::kText) {
           return InvalidArgument(field + ".content: a system message holds text only");
         }
-        b.Text(part.text);
+        system += part.text;
       }
+      b.System(system);
       b.Text(" ");
       continue;
     }

@@ -31,6 +31,11 @@ struct PromptTokens {
   std::vector<int> image_offsets;  // start of each image's rows in `ids`, in image-list order
   int image_rows = 0;              // rows per image
   int text_tokens = 0;             // T minus image rows
+  // The instruction: [instruction_begin, T), the text after the last image or end-of-turn
+  // marker (the last user turn's question and " ASSISTANT:"). KV policies may protect it.
+  int instruction_begin = 0;
+  // The system prompt: [1, system_end), counted as its text tokenized alone (0: none).
+  int system_end = 0;
 };
 
 struct PromptLimits {

@@ -84,6 +84,7 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
   sr.prompt_tokens = static_cast<int64_t>(p->prepared.prompt.ids.size());
   sr.max_tokens = request.sampling.max_tokens;
   sr.kv = request.kv_cache;
+  sr.segments = p->prepared.segments;
   LLAVA_RETURN_IF_ERROR(scheduler_.Enqueue(sr));
   pending_[id] = std::move(p);
   snapshot_.waiting = scheduler_.waiting();
@@ -187,7 +188,7 @@ void Engine::Loop() {
         auto seq = std::make_unique<Sequence>();
         seq->admitted = Clock::now();
         p->observer->OnAdmitted(Seconds(p->submitted, seq->admitted));
-        seq->cache = NewKvCache(model_.model->kv_layout(), p->kv);
+        seq->cache = NewKvCache(model_.model->kv_layout(), p->kv, p->prepared.segments);
         seq->state = std::make_unique<DecodeState>(
             *model_.tokenizer, p->sampling,
             PromptTextIds(p->prepared.prompt, model_.model->config().image_token_index),

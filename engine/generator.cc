@@ -58,6 +58,11 @@ StatusOr<PreparedRequest> Generator::Prepare(const GenerationRequest& req, int64
       out.prompt, BuildPrompt(*m_.tokenizer, req.messages, out.num_images, cfg.image_token_index,
                               cfg.image_tokens(), limits_.prompt));
   const int64_t prompt_tokens = static_cast<int64_t>(out.prompt.ids.size());
+  for (int offset : out.prompt.image_offsets) {
+    out.segments.images.push_back({offset, offset + out.prompt.image_rows});
+  }
+  out.segments.instruction = {out.prompt.instruction_begin, prompt_tokens};
+  if (out.prompt.system_end > 0) out.segments.system = {1, out.prompt.system_end};
   if (limits_.max_prompt_tokens > 0 && prompt_tokens > limits_.max_prompt_tokens) {
     return InvalidArgument("messages: the prompt has " + std::to_string(prompt_tokens) +
                            " tokens (image rows included), more than this server's limit of " +
@@ -103,7 +108,7 @@ StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
   LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared, Prepare(req, static_cast<int64_t>(ids.size())));
   AnswerScore score;
   try {
-    std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache);
+    std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache, prepared.segments);
     auto t0 = std::chrono::steady_clock::now();
     at::Tensor logits = Prefill(prepared, cache.get(), nullptr);
     score.prefill_seconds = SecondsSince(t0);
@@ -141,7 +146,7 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
   result.prompt_tokens = static_cast<int>(prompt.ids.size());
   result.image_tokens = static_cast<int>(prompt.image_offsets.size()) * prompt.image_rows;
   try {
-    std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache);
+    std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache, prepared.segments);
     at::Tensor logits = Prefill(prepared, cache.get(), &result.vision_seconds);
     DecodeState state(tok, req.sampling, PromptTextIds(prompt, cfg.image_token_index),
                       cfg.text.eos_token_id);

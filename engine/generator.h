@@ -80,6 +80,7 @@ struct AnswerScore {
 // A request checked and turned into model input.
 struct PreparedRequest {
   PromptTokens prompt;
+  PromptSegments segments;    // the prompt's images, instruction and system prompt
   std::vector<float> pixels;  // [images, 3, S, S] preprocessed
   int num_images = 0;
 };

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "engine/kv_policy.h"
+
 namespace llava {
 namespace {
 
@@ -127,53 +129,64 @@ class FullKvCache final : public KvCache {
   int64_t tokens_seen_ = 0;
 };
 
-// Elastic, H2O and StreamingLLM. Invariant: after each OnForwardDone every layer holds
-// params_.EntryTarget(tokens_seen_) entries in position order (Elastic merges the prompt
-// into anchors first; H2O keeps per-layer scores aligned with the entries).
+// A cache that compresses as its policy (kv_policy.h) decides. Invariant: after each
+// OnForwardDone every layer holds policy_->Target(tokens_seen_) entries in position order, and
+// positions_ is aligned with the entries.
 class CompressingKvCache final : public KvCache {
  public:
-  CompressingKvCache(const KvLayout& layout, const CacheParams& params)
+  CompressingKvCache(const KvLayout& layout, const CacheParams& params,
+                     std::unique_ptr<KvPolicy> policy)
       : layout_(layout),
         params_(params),
+        policy_(std::move(policy)),
         layers_(layout.num_layers),
         positions_(layout.num_layers),
-        scores_(layout.num_layers) {}
+        rows_seen_(layout.num_layers, 0) {}
 
   const KvLayout& layout() const override { return layout_; }
   void Append(int layer, const at::Tensor& k, const at::Tensor& v) override {
     layers_[layer].Append(k, v);
     for (int64_t i = 0; i < k.size(1); ++i) positions_[layer].push_back(tokens_seen_ + i);
-    if (params_.policy == CachePolicy::kH2O) scores_[layer].resize(layers_[layer].Length(), 0.f);
+    if (prefilled_) policy_->OnAppend(layer, k.size(1));
   }
   at::Tensor Keys(int layer) const override { return layers_[layer].Keys(); }
   at::Tensor Values(int layer) const override { return layers_[layer].Values(); }
   int64_t Length(int layer) const override { return layers_[layer].Length(); }
   const std::vector<int64_t>& Positions(int layer) const override { return positions_[layer]; }
 
-  bool WantsAttentionProbs(int layer) const override {
-    return params_.policy == CachePolicy::kH2O ||
-           (params_.policy == CachePolicy::kElastic && !prefilled_);
-  }
+  bool WantsAttentionProbs(int layer) const override { return policy_->WantsScores(prefilled_); }
   void ObserveAttention(int layer, const at::Tensor& probs) override {
-    // probs [H, n, len] -> attention each entry received, summed over queries, head-averaged.
-    at::Tensor col = probs.sum(at::IntArrayRef{0, 1}).div_(probs.size(0)).to(at::kCPU).contiguous();
-    const float* p = col.data_ptr<float>();
-    std::vector<float>& s = scores_[layer];
-    s.resize(col.size(0), 0.f);
-    for (int64_t j = 0; j < col.size(0); ++j) s[j] += p[j];
+    // probs [H, rows, len]: while the prompt is fed its blocks arrive in row order, so the
+    // block's first row is the prompt position rows_seen_; rows before the policy's first
+    // scored row are left out. Decode rows always count.
+    int64_t skip = 0;
+    if (!prefilled_) {
+      skip = std::clamp<int64_t>(policy_->FirstScoredRow() - rows_seen_[layer], 0, probs.size(1));
+      rows_seen_[layer] += probs.size(1);
+    }
+    if (skip == probs.size(1)) return;
+    at::Tensor col = probs.narrow(1, skip, probs.size(1) - skip)
+                         .sum(at::IntArrayRef{0, 1})
+                         .div_(probs.size(0))
+                         .to(at::kCPU, at::kFloat)
+                         .contiguous();
+    policy_->AddScores(layer, col.data_ptr<float>(), col.size(0));
   }
 
   void OnForwardDone(int64_t n_new) override {
     tokens_seen_ += n_new;
-    const int64_t target = params_.EntryTarget(tokens_seen_);
     if (!prefilled_) {
+      for (int l = 0; l < layout_.num_layers; ++l) CompressPrompt(l);
       prefilled_ = true;
-      for (int l = 0; l < layout_.num_layers; ++l) CompressPrompt(l, target);
-      fixed_point_ = ElasticFixedPoint(layers_[0].Length(), params_);
       return;
     }
+    const int64_t target = policy_->Target(tokens_seen_);
     for (int l = 0; l < layout_.num_layers; ++l) {
-      while (layers_[l].Length() > target) Evict(l, Victim(l, target));
+      while (layers_[l].Length() > target) {
+        const int64_t victim = policy_->Victim(l, layers_[l].Length(), target);
+        if (victim < 0) break;  // everything left is protected
+        Evict(l, victim);
+      }
     }
   }
 
@@ -191,74 +204,42 @@ class CompressingKvCache final : public KvCache {
   }
 
  private:
-  // After the prompt's forward pass: keep EntryTarget(T) entries of layer `l`.
-  void CompressPrompt(int l, int64_t target) {
+  // After the prompt's last forward pass: apply the policy's plan to layer `l`.
+  void CompressPrompt(int l) {
     LayerBuffer& buf = layers_[l];
     const int64_t t = buf.Length();
-    if (target >= t) return;
-    std::vector<int64_t> keep;
-    switch (params_.policy) {
-      case CachePolicy::kElastic: {
-        if (params_.elastic_mean_importance) {
-          for (int64_t n = 0; n < t; ++n) scores_[l][n] /= static_cast<float>(t - n);
-        }
-        const MergePlan plan = PlanElasticMerge(scores_[l], params_);
-        buf.Assign(MergeRows(buf.Keys(), plan), MergeRows(buf.Values(), plan));
-        positions_[l] = plan.kept;
-        merged_ += plan.merged;
-        evicted_ += plan.dropped;
-        scores_[l].clear();  // Elastic's importance is not used after the merge
-        return;
-      }
-      case CachePolicy::kH2O:
-        keep = H2OKeep(scores_[l], target);
-        break;
-      default:
-        keep = StreamingKeep(t, target, params_.sinks());
-        break;
+    const MergePlan plan = policy_->PlanPrompt(l, t);
+    merged_ += plan.merged;
+    evicted_ += plan.dropped;
+    if (static_cast<int64_t>(plan.kept.size()) == t) return;  // nothing to drop or merge
+    if (plan.merged > 0) {
+      buf.Assign(MergeRows(buf.Keys(), plan), MergeRows(buf.Values(), plan));
+    } else {
+      at::Tensor idx = at::tensor(plan.kept, at::kLong).to(buf.Keys().device());
+      buf.Assign(buf.Keys().index_select(1, idx), buf.Values().index_select(1, idx));
     }
-    at::Tensor idx = at::tensor(keep, at::kLong).to(buf.Keys().device());
-    buf.Assign(buf.Keys().index_select(1, idx), buf.Values().index_select(1, idx));
     std::vector<int64_t> pos;
-    std::vector<float> sc;
-    for (int64_t i : keep) {
-      pos.push_back(positions_[l][i]);
-      if (!scores_[l].empty()) sc.push_back(scores_[l][i]);
-    }
+    for (int64_t i : plan.kept) pos.push_back(positions_[l][i]);
     positions_[l] = std::move(pos);
-    scores_[l] = std::move(sc);
-    evicted_ += t - static_cast<int64_t>(keep.size());
-  }
-
-  int64_t Victim(int l, int64_t target) const {
-    switch (params_.policy) {
-      case CachePolicy::kElastic:
-        return fixed_point_;
-      case CachePolicy::kH2O:
-        return H2OVictim(scores_[l], target);
-      default:
-        return std::min<int64_t>(params_.sinks(), layers_[l].Length() - 1);
-    }
   }
 
   void Evict(int l, int64_t i) {
     layers_[l].Erase(i);
     positions_[l].erase(positions_[l].begin() + i);
-    if (!scores_[l].empty()) scores_[l].erase(scores_[l].begin() + i);
+    policy_->OnEvict(l, i);
     ++evicted_;
   }
 
   KvLayout layout_;
   CacheParams params_;
+  std::unique_ptr<KvPolicy> policy_;
   std::vector<LayerBuffer> layers_;
   std::vector<std::vector<int64_t>> positions_;  // per layer, aligned with the entries
-  std::vector<std::vector<float>> scores_;       // per layer: Elastic importance (prefill only)
-                                                 // or H2O accumulated attention
+  std::vector<int64_t> rows_seen_;               // per layer: prompt query rows observed
   int64_t tokens_seen_ = 0;
   bool prefilled_ = false;
-  int64_t fixed_point_ = 0;  // Elastic N_tl
-  int64_t merged_ = 0;       // summed over layers
-  int64_t evicted_ = 0;      // summed over layers
+  int64_t merged_ = 0;   // summed over layers
+  int64_t evicted_ = 0;  // summed over layers
 };
 
 }  // namespace
@@ -267,33 +248,45 @@ std::unique_ptr<KvCache> NewFullKvCache(const KvLayout& layout) {
   return std::make_unique<FullKvCache>(layout);
 }
 
-std::unique_ptr<KvCache> NewKvCache(const KvLayout& layout, const CacheParams& params) {
-  if (params.budget >= 1.0) return NewFullKvCache(layout);
-  return NewPolicyKvCache(layout, params);
+std::unique_ptr<KvCache> NewKvCache(const KvLayout& layout, const CacheParams& params,
+                                    const PromptSegments& segments) {
+  if (params.KeepsEverything()) return NewFullKvCache(layout);
+  return NewPolicyKvCache(layout, params, segments);
 }
 
-std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CacheParams& params) {
+std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CacheParams& params,
+                                          const PromptSegments& segments) {
   if (params.policy == CachePolicy::kFull) return NewFullKvCache(layout);
-  return std::make_unique<CompressingKvCache>(layout, params);
+  return std::make_unique<CompressingKvCache>(layout, params,
+                                              NewKvPolicy(params, segments, layout.num_layers));
 }
 
 at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan) {
-  // rows [Hkv, T, hd]; bucket[i] = kept index of row i or -1 (dropped).
+  // rows [Hkv, T, hd]; bucket[i] = kept index of row i or -1 (dropped); weight[i] its weight.
   std::vector<int64_t> src, dst;
+  std::vector<float> w;
   for (int64_t i = 0; i < static_cast<int64_t>(plan.bucket.size()); ++i) {
     if (plan.bucket[i] >= 0) {
       src.push_back(i);
       dst.push_back(plan.bucket[i]);
+      w.push_back(plan.weight.empty() ? 1.f : plan.weight[i]);
     }
   }
   const int64_t k = static_cast<int64_t>(plan.kept.size());
   const at::Device dev = rows.device();
   at::Tensor dst_idx = at::tensor(dst, at::kLong).to(dev);
-  at::Tensor sum = at::zeros({rows.size(0), k, rows.size(2)}, rows.options().dtype(at::kFloat));
-  sum.index_add_(1, dst_idx,
-                 rows.index_select(1, at::tensor(src, at::kLong).to(dev)).to(at::kFloat));
-  at::Tensor count = at::bincount(dst_idx, {}, k).to(at::kFloat).view({1, k, 1});
-  return sum.div_(count).to(rows.scalar_type());
+  at::Tensor selected = rows.index_select(1, at::tensor(src, at::kLong).to(dev)).to(at::kFloat);
+  at::Tensor total = at::zeros({k}, rows.options().dtype(at::kFloat));
+  if (plan.weight.empty()) {
+    total.index_add_(0, dst_idx, at::ones({static_cast<int64_t>(dst.size())}, total.options()));
+  } else {
+    at::Tensor wt = at::tensor(w, at::kFloat).to(dev);
+    selected.mul_(wt.view({1, -1, 1}));
+    total.index_add_(0, dst_idx, wt);
+  }
+  at::Tensor sum = at::zeros({rows.size(0), k, rows.size(2)}, selected.options());
+  sum.index_add_(1, dst_idx, selected);
+  return sum.div_(total.view({1, k, 1})).to(rows.scalar_type());
 }
 
 }  // namespace llava

@@ -1,5 +1,5 @@
-// Per-request KV cache behind one interface, so cache policies (Full here; Elastic, H2O,
-// StreamingLLM next) are interchangeable under the model.
+// Per-request KV cache behind one interface: the Full cache, or a compressing cache whose
+// decisions come from a KvPolicy (kv_policy.h: Elastic, H2O, StreamingLLM).
 //
 // Shapes: every layer stores K and V as [kv_heads, len, head_dim] in the model dtype; keys are
 // stored after rotary embedding. Entries of a layer stay in position order.
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/cache_policy.h"
+#include "engine/kv_policy.h"
 
 namespace at {
 class Tensor;
@@ -79,17 +80,20 @@ class KvCache {
 // appends are amortised O(new rows).
 std::unique_ptr<KvCache> NewFullKvCache(const KvLayout& layout);
 
-// The cache for `params` (validated by the caller): Full, or a compressing cache applying
-// Elastic / H2O / StreamingLLM (DESIGN.md section 4). Any policy at budget 1 is exactly Full
-// and gets the Full cache (no attention probabilities are materialised).
-std::unique_ptr<KvCache> NewKvCache(const KvLayout& layout, const CacheParams& params);
+// The cache for `params` (validated by the caller) and the prompt's layout (empty when
+// unknown): Full, or a compressing cache applying the policy (DESIGN.md section 4). Any policy
+// at budget 1 is exactly Full and gets the Full cache (no attention probabilities are
+// materialised).
+std::unique_ptr<KvCache> NewKvCache(const KvLayout& layout, const CacheParams& params,
+                                    const PromptSegments& segments = {});
 
 // Always the policy's compressing cache, even at budget 1 (tests and evaluation use it to check
 // that budget 1 reproduces Full; Full itself gets the Full cache).
-std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CacheParams& params);
+std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CacheParams& params,
+                                          const PromptSegments& segments = {});
 
-// Elastic merge of one layer's rows: rows [Hkv, T, hd] -> [Hkv, plan.kept.size(), hd], each
-// kept entry the plain mean (computed in fp32) of the rows in its bucket.
+// The prompt merge of one layer's rows: rows [Hkv, T, hd] -> [Hkv, plan.kept.size(), hd], each
+// kept entry the mean (plain, or weighted by plan.weight; computed in fp32) of its bucket.
 at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan);
 
 }  // namespace llava

@@ -2,16 +2,17 @@
 
 #include <algorithm>
 
+#include "engine/kv_policy.h"
+
 namespace llava {
 
-int64_t SteadyEntries(int64_t prompt_tokens, int64_t max_tokens, const CacheParams& kv) {
-  const int64_t total = prompt_tokens + max_tokens;
-  if (kv.policy == CachePolicy::kFull || kv.budget >= 1.0) return total;
-  return kv.EntryTarget(total);
+int64_t SteadyEntries(int64_t prompt_tokens, int64_t max_tokens, const CacheParams& kv,
+                      const PromptSegments& segments) {
+  return ProjectedEntries(kv, segments, prompt_tokens + max_tokens);
 }
 
 int64_t Scheduler::SteadyBytes(const SchedRequest& r) const {
-  return SteadyEntries(r.prompt_tokens, r.max_tokens, r.kv) * config_.num_layers *
+  return SteadyEntries(r.prompt_tokens, r.max_tokens, r.kv, r.segments) * config_.num_layers *
          config_.bytes_per_entry;
 }
 

@@ -36,11 +36,13 @@ struct SchedRequest {
   int64_t prompt_tokens = 0;
   int64_t max_tokens = 0;
   CacheParams kv;
+  PromptSegments segments;  // what the policy may protect (empty: unknown)
 };
 
-// Entries per layer a request holds at most after its prefill: EntryTarget(T + G) for
-// compressing policies, T + G for Full (and any policy at budget 1).
-int64_t SteadyEntries(int64_t prompt_tokens, int64_t max_tokens, const CacheParams& kv);
+// Entries per layer a request holds at most after its prefill: the policy's target for T + G
+// tokens (ProjectedEntries), T + G for Full (and any policy at budget 1).
+int64_t SteadyEntries(int64_t prompt_tokens, int64_t max_tokens, const CacheParams& kv,
+                      const PromptSegments& segments = {});
 
 class Scheduler {
  public:

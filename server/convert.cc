@@ -104,7 +104,7 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
       return InvalidArgument("kv_cache.policy " + std::to_string(kv.policy()) + " is unknown");
   }
   if (kv.has_budget()) cp.budget = kv.budget();
-  if (kv.has_recent_distance()) cp.recent_distance = kv.recent_distance();
+  if (kv.has_recent_distance()) cp.elastic.recent_distance = kv.recent_distance();
   cp.sink_tokens = kv.has_sink_tokens() ? kv.sink_tokens() : -1;
   if (kv.has_sink_tokens() && kv.sink_tokens() < 0) {
     return InvalidArgument("kv_cache.sink_tokens must be >= 0, got " +
@@ -120,6 +120,68 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
       break;
     default:
       return InvalidArgument("kv_cache.position_mode is unknown");
+  }
+  const v1::ElasticOptions& e = kv.elastic();
+  switch (e.variant()) {
+    case v1::ELASTIC_VARIANT_UNSPECIFIED:
+      break;  // the server's default Elastic
+    case v1::ELASTIC_VARIANT_PRODUCT:
+    case v1::ELASTIC_VARIANT_PAPER: {
+      const int recent = cp.elastic.recent_distance;
+      cp.elastic_variant = e.variant() == v1::ELASTIC_VARIANT_PAPER ? ElasticVariant::kPaper
+                                                                    : ElasticVariant::kProduct;
+      cp.elastic = ElasticPreset(cp.elastic_variant);
+      cp.elastic.recent_distance = recent;
+      break;
+    }
+    default:
+      return InvalidArgument("kv_cache.elastic.variant " + std::to_string(e.variant()) +
+                             " is unknown");
+  }
+  if (e.has_protect_instruction()) cp.elastic.protect_instruction = e.protect_instruction();
+  if (e.has_protect_system()) cp.elastic.protect_system = e.protect_system();
+  if (e.has_weighted_merge()) cp.elastic.weighted_merge = e.weighted_merge();
+  switch (e.importance()) {
+    case v1::IMPORTANCE_MODE_UNSPECIFIED:
+      break;
+    case v1::IMPORTANCE_MODE_SUM:
+      cp.elastic.importance = ImportanceMode::kSum;
+      break;
+    case v1::IMPORTANCE_MODE_MEAN:
+      cp.elastic.importance = ImportanceMode::kMean;
+      break;
+    case v1::IMPORTANCE_MODE_INSTRUCTION:
+      cp.elastic.importance = ImportanceMode::kInstruction;
+      break;
+    default:
+      return InvalidArgument("kv_cache.elastic.importance " + std::to_string(e.importance()) +
+                             " is unknown");
+  }
+  switch (e.merge_scope()) {
+    case v1::MERGE_SCOPE_UNSPECIFIED:
+      break;
+    case v1::MERGE_SCOPE_NEAREST:
+      cp.elastic.merge_scope = MergeScope::kNearest;
+      break;
+    case v1::MERGE_SCOPE_SEGMENT:
+      cp.elastic.merge_scope = MergeScope::kSegment;
+      break;
+    default:
+      return InvalidArgument("kv_cache.elastic.merge_scope " + std::to_string(e.merge_scope()) +
+                             " is unknown");
+  }
+  switch (e.eviction()) {
+    case v1::DECODE_EVICTION_UNSPECIFIED:
+      break;
+    case v1::DECODE_EVICTION_FIXED_POINT:
+      cp.elastic.eviction = DecodeEviction::kFixedPoint;
+      break;
+    case v1::DECODE_EVICTION_SCORED:
+      cp.elastic.eviction = DecodeEviction::kScored;
+      break;
+    default:
+      return InvalidArgument("kv_cache.elastic.eviction " + std::to_string(e.eviction()) +
+                             " is unknown");
   }
   LLAVA_RETURN_IF_ERROR(ValidateCacheParams(cp));
   return out;

@@ -61,7 +61,9 @@ int main(int argc, char** argv) {
       ->envname(env("PREFILL_CHUNK"))
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--default-policy", policy, "full | elastic | h2o | streaming_llm")
+  app.add_option("--default-policy", policy,
+                 "full | elastic | h2o | streaming_llm, with options as in llava-generate "
+                 "--policy (e.g. elastic+paper)")
       ->envname(env("DEFAULT_POLICY"))
       ->capture_default_str();
   app.add_option("--default-budget", budget, "default KV budget ratio")
@@ -103,9 +105,11 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   threads = llava::InitTorchThreads(threads);
 
-  auto parsed_policy = llava::ParseCachePolicy(policy);
+  llava::CacheParams default_kv;
+  default_kv.budget = budget;
+  auto parsed_policy = llava::ParseCacheSpec(policy, default_kv);
   if (!parsed_policy.ok()) {
-    spdlog::error("--default-policy: {}", parsed_policy.status().ToString());
+    spdlog::error("--default-policy / --default-budget: {}", parsed_policy.status().ToString());
     return 2;
   }
   llava::ModelOptions options;
@@ -136,12 +140,7 @@ int main(int argc, char** argv) {
   sc.max_tokens_limit = max_tokens_limit;
   sc.kv_cache_bytes = eo.kv_cache_bytes;
   sc.defaults.max_tokens = default_max_tokens;
-  sc.defaults.kv.policy = *parsed_policy;
-  sc.defaults.kv.budget = budget;
-  if (llava::Status s = llava::ValidateCacheParams(sc.defaults.kv); !s.ok()) {
-    spdlog::error("--default-budget: {}", s.ToString());
-    return 2;
-  }
+  sc.defaults.kv = *parsed_policy;
   llava::server::ServingMetrics metrics;
   sc.metrics = &metrics;
   llava::server::LlavaServiceImpl service(&engine, sc);

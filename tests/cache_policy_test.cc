@@ -4,6 +4,11 @@
 
 #include <random>
 
+#include "engine/elastic_policy.h"
+#include "engine/h2o_policy.h"
+#include "engine/kv_policy.h"
+#include "engine/streaming_policy.h"
+
 namespace llava {
 namespace {
 
@@ -12,7 +17,8 @@ CacheParams Elastic(double gamma, int sinks = -1, int recent = 25) {
   p.policy = CachePolicy::kElastic;
   p.budget = gamma;
   p.sink_tokens = sinks;
-  p.recent_distance = recent;
+  p.elastic = ElasticPreset(ElasticVariant::kPaper);
+  p.elastic.recent_distance = recent;
   return p;
 }
 
@@ -33,7 +39,7 @@ TEST(ElasticMerge, HandComputedTenTokens) {
 TEST(ElasticMerge, WithoutMergingDropsTheNonAnchors) {
   const std::vector<float> importance = {9, 0.1f, 0.5f, 0.3f, 0.9f, 0.2f, 0.8f, 0.05f, 0.7f, 5};
   CacheParams p = Elastic(0.5);
-  p.elastic_merge = false;
+  p.elastic.merge = false;
   MergePlan plan = PlanElasticMerge(importance, p);
   EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 4, 6, 8, 9}));
   EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, -1, -1, -1, 1, -1, 2, -1, 3, 4}));
@@ -112,14 +118,17 @@ TEST(FixedPoint, Formula) {
 }
 
 TEST(EntryTarget, MatchesDefinition) {
-  EXPECT_EQ(Elastic(0.2).EntryTarget(10), 2);
-  EXPECT_EQ(Elastic(0.2).EntryTarget(11), 3);
-  EXPECT_EQ(Elastic(0.1).EntryTarget(10), 2);  // protected: sink + newest
-  EXPECT_EQ(Elastic(0.1).EntryTarget(1), 1);
+  auto target = [](const CacheParams& p, int64_t n) { return ProjectedEntries(p, {}, n); };
+  EXPECT_EQ(target(Elastic(0.2), 10), 2);
+  EXPECT_EQ(target(Elastic(0.2), 11), 3);
+  EXPECT_EQ(target(Elastic(0.1), 10), 2);  // protected: sink + newest
+  EXPECT_EQ(target(Elastic(0.1), 1), 1);
   CacheParams full;
   full.policy = CachePolicy::kFull;
   full.budget = 0.1;
-  EXPECT_EQ(full.EntryTarget(10), 10);
+  EXPECT_EQ(target(full, 10), 10);
+  EXPECT_EQ(EntryTarget(0.5, 10, 7), 7);  // protected entries above the budget
+  EXPECT_EQ(EntryTarget(0.5, 5, 7), 5);   // never more than n
   EXPECT_EQ(CeilBudget(0.2, 10), 2);
   EXPECT_EQ(CeilBudget(0.3, 10), 3);
   EXPECT_EQ(CeilBudget(0.7, 10), 7);
@@ -151,9 +160,9 @@ TEST(CacheParams, ValidationNamesTheField) {
   p.budget = std::nan("");
   EXPECT_FALSE(ValidateCacheParams(p).ok());
   p.budget = 0.5;
-  p.recent_distance = 0;
+  p.elastic.recent_distance = 0;
   EXPECT_NE(ValidateCacheParams(p).message().find("kv_cache.recent_distance"), std::string::npos);
-  p.recent_distance = 25;
+  p.elastic.recent_distance = 25;
   p.sink_tokens = -2;
   EXPECT_NE(ValidateCacheParams(p).message().find("kv_cache.sink_tokens"), std::string::npos);
   p.sink_tokens = 1;
@@ -161,6 +170,157 @@ TEST(CacheParams, ValidationNamesTheField) {
   EXPECT_EQ(ParseCachePolicy("h2o").value(), CachePolicy::kH2O);
   EXPECT_NE(ParseCachePolicy("lru").status().message().find("kv_cache.policy"), std::string::npos);
   EXPECT_EQ(ParsePositionMode("compressed").value(), PositionMode::kCompressed);
+}
+
+}  // namespace
+}  // namespace llava
+
+namespace llava {
+namespace {
+
+// BOS, "USER:" at 1, an image at [2, 8), the instruction at [8, 12).
+PromptSegments TwelveTokenPrompt() {
+  PromptSegments s;
+  s.images = {{2, 8}};
+  s.instruction = {8, 12};
+  return s;
+}
+
+CacheParams Product(double gamma) {
+  CacheParams p;
+  p.policy = CachePolicy::kElastic;
+  p.budget = gamma;
+  return p;
+}
+
+TEST(PromptSegments, EachImageAndTextRunIsASegment) {
+  PromptSegments s;
+  s.images = {{2, 4}, {5, 7}};
+  EXPECT_EQ(s.SegmentIds(9), (std::vector<int>{0, 0, 1, 1, 2, 3, 3, 4, 4}));
+  EXPECT_EQ(PromptSegments().SegmentIds(3), (std::vector<int>{0, 0, 0}));
+}
+
+TEST(ElasticPinned, SinksAndTheProtectedSpans) {
+  PromptSegments s = TwelveTokenPrompt();
+  s.system = {1, 2};
+  EXPECT_EQ(ElasticPinned(Elastic(0.5), s, 12), (std::vector<int64_t>{0}));  // paper: sinks
+  CacheParams p = Product(0.5);
+  EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 1, 8, 9, 10, 11}));
+  p.elastic.protect_system = false;
+  EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 8, 9, 10, 11}));
+}
+
+// importance sums [T = 6]; instruction rows from 4 on.
+TEST(ElasticImportance, EachModeDividesByTheQueriesThatWereSummed) {
+  const std::vector<float> sums = {6, 5, 4, 3, 2, 1};
+  EXPECT_EQ(ElasticImportance(sums, ImportanceMode::kSum, 4), sums);
+  // mean: position j is seen by 6 - j queries -> every value is 1.
+  EXPECT_EQ(ElasticImportance(sums, ImportanceMode::kMean, 4), std::vector<float>(6, 1.f));
+  // instruction: positions before 4 are seen by both instruction queries, 4 by 2, 5 by 1.
+  EXPECT_EQ(ElasticImportance(sums, ImportanceMode::kInstruction, 4),
+            (std::vector<float>{3, 2.5f, 2, 1.5f, 1, 1}));
+}
+
+// K = 6 of 12: pinned {0, 8, 9, 10, 11} leave one anchor, the most important unpinned
+// position (5). Segment scope merges the other image rows into it and drops "USER:" (1), whose
+// text run has no anchor; the paper's nearest scope would have merged it too.
+TEST(ElasticMerge, ProductKeepsTheInstructionAndMergesWithinTheImage) {
+  const std::vector<float> imp = {9, 0.5f, 0.1f, 0.2f, 0.3f, 0.9f, 0.4f, 0.1f, 0, 0, 0, 0};
+  const PromptSegments s = TwelveTokenPrompt();
+  CacheParams p = Product(0.5);
+  p.elastic.weighted_merge = false;
+  MergePlan plan = PlanElasticMerge(imp, p, s);
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 5, 8, 9, 10, 11}));
+  EXPECT_EQ(plan.pinned, (std::vector<bool>{true, false, true, true, true, true}));
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, -1, 1, 1, 1, 1, 1, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(plan.merged, 5);
+  EXPECT_EQ(plan.dropped, 1);
+  EXPECT_TRUE(plan.weight.empty());
+
+  p.elastic.merge_scope = MergeScope::kNearest;
+  plan = PlanElasticMerge(imp, p, s);
+  EXPECT_EQ(plan.bucket[1], 1);  // "USER:" joins the image anchor
+  EXPECT_EQ(plan.merged, 6);
+  EXPECT_EQ(plan.dropped, 0);
+
+  p.elastic.weighted_merge = true;
+  plan = PlanElasticMerge(imp, p, s);
+  ASSERT_EQ(plan.weight.size(), 12u);
+  EXPECT_FLOAT_EQ(plan.weight[5], 0.9f + 1e-6f);
+  EXPECT_FLOAT_EQ(plan.weight[2], 0.1f + 1e-6f);
+}
+
+// Protected entries above the budget: everything pinned survives, no anchors.
+TEST(ElasticMerge, PinnedEntriesCountAgainstTheBudgetButAlwaysSurvive) {
+  const std::vector<float> imp(12, 1.f);
+  MergePlan plan = PlanElasticMerge(imp, Product(0.2), TwelveTokenPrompt());  // ceil(2.4) = 3
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 8, 9, 10, 11}));
+  EXPECT_EQ(plan.dropped, 7);
+}
+
+TEST(ElasticVictim, SkipsPinnedEntriesAndTheNewest) {
+  //                    0     1      2      3     4      5
+  const std::vector<bool> pinned = {true, false, false, true, true, false};
+  EXPECT_EQ(ElasticVictim(pinned, 1), 1);
+  EXPECT_EQ(ElasticVictim(pinned, 3), 2);  // 3, 4 pinned, 5 newest: the last one before
+  EXPECT_EQ(ElasticVictim({true, false}, 1), -1);
+  EXPECT_EQ(ElasticVictim({true, true, false, false}, 1), 2);
+}
+
+TEST(ElasticVictim, ScoredTakesTheLeastAttendedUnpinnedEntry) {
+  //                                0     1      2      3     4      5
+  const std::vector<bool> pinned = {true, false, false, true, false, false};
+  EXPECT_EQ(ScoredVictim(pinned, {0.f, 0.5f, 0.2f, 0.f, 0.2f, 0.f}), 2);  // ties: earlier
+  EXPECT_EQ(ScoredVictim(pinned, {0.f, 0.1f, 0.2f, 0.f, 0.3f, 0.f}), 1);  // 5 is the newest
+  EXPECT_EQ(ScoredVictim({true, true, false}, {0.f, 0.f, 0.f}), -1);
+}
+
+TEST(ParseCacheSpec, PresetsAndOptions) {
+  auto p = ParseCacheSpec("elastic");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->elastic_variant, ElasticVariant::kProduct);
+  EXPECT_TRUE(p->elastic.protect_instruction);
+  EXPECT_EQ(p->elastic.eviction, DecodeEviction::kScored);
+  p = ParseCacheSpec("elastic+paper+importance=mean+recent=7+weighted=1");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->elastic_variant, ElasticVariant::kPaper);
+  EXPECT_FALSE(p->elastic.protect_instruction);
+  EXPECT_EQ(p->elastic.importance, ImportanceMode::kMean);
+  EXPECT_EQ(p->elastic.merge_scope, MergeScope::kNearest);
+  EXPECT_TRUE(p->elastic.weighted_merge);
+  EXPECT_EQ(p->elastic.recent_distance, 7);
+  EXPECT_EQ(p->elastic.eviction, DecodeEviction::kFixedPoint);
+  p = ParseCacheSpec("elastic_drop");
+  ASSERT_TRUE(p.ok());
+  EXPECT_FALSE(p->elastic.merge);
+  EXPECT_EQ(p->elastic.importance, ImportanceMode::kSum);
+  CacheParams base;
+  base.budget = 0.3;
+  p = ParseCacheSpec("streaming", base);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->policy, CachePolicy::kStreamingLLM);
+  EXPECT_EQ(p->budget, 0.3);
+  EXPECT_NE(ParseCacheSpec("elastic+importance=max")
+                .status()
+                .message()
+                .find("kv_cache.elastic.importance"),
+            std::string::npos);
+  EXPECT_NE(ParseCacheSpec("elastic+color=1").status().message().find("color"), std::string::npos);
+  EXPECT_NE(ParseCacheSpec("elastic+recent=0").status().message().find("recent_distance"),
+            std::string::npos);
+  EXPECT_NE(ParseCacheSpec("lru").status().message().find("kv_cache.policy"), std::string::npos);
+}
+
+TEST(KvPolicyRegistry, EveryPolicyHasOneRowFoundByName) {
+  for (CachePolicy id :
+       {CachePolicy::kFull, CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM}) {
+    const KvPolicyInfo& info = KvPolicyInfoOf(id);
+    EXPECT_EQ(info.id, id);
+    auto parsed = ParseCachePolicy(info.name);
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, id);
+  }
+  EXPECT_EQ(KvPolicyNames(), "full | elastic | h2o | streaming_llm");
 }
 
 }  // namespace

@@ -44,6 +44,8 @@ TEST_F(ChatTemplateTest, SingleTurnWithImage) {
   EXPECT_EQ(p->ids, expected);
   EXPECT_EQ(p->image_offsets, std::vector<int>{offset});
   EXPECT_EQ(p->text_tokens, static_cast<int>(expected.size()) - 5);
+  EXPECT_EQ(p->instruction_begin, offset + 5);  // the text after the image
+  EXPECT_EQ(p->system_end, 0);
 }
 
 // "{system} USER: q1 ASSISTANT: a1</s>USER: q2 ASSISTANT:"
@@ -57,7 +59,10 @@ TEST_F(ChatTemplateTest, MultiTurnJoinsTurnsWithEos) {
   std::vector<int> expected = {tok_->bos_id()};
   Append(&expected, Enc("Be brief. USER: q1 ASSISTANT: a1", true));
   expected.push_back(tok_->eos_id());
+  const int last_turn = static_cast<int>(expected.size());
   Append(&expected, Enc("USER: q2 ASSISTANT:", false));
+  EXPECT_EQ(p->instruction_begin, last_turn);  // the last user turn
+  EXPECT_EQ(p->system_end, 1 + static_cast<int>(Enc("Be brief.", true).size()));
   EXPECT_EQ(p->ids, expected);
   EXPECT_TRUE(p->image_offsets.empty());
 }

@@ -4,6 +4,7 @@
 
 #include <random>
 
+#include "engine/elastic_policy.h"
 #include "engine/generator.h"
 #include "engine/kv_cache.h"
 #include "engine/llava_model.h"
@@ -17,10 +18,14 @@ CacheParams Params(CachePolicy policy, double gamma, int recent = 25, int sinks 
   CacheParams p;
   p.policy = policy;
   p.budget = gamma;
-  p.recent_distance = recent;
+  p.elastic = ElasticPreset(ElasticVariant::kPaper);
+  p.elastic.recent_distance = recent;
   p.sink_tokens = sinks;
   return p;
 }
+
+// Entries per layer after n tokens when the prompt layout is unknown (raw token ids).
+int64_t Target(const CacheParams& p, int64_t n) { return ProjectedEntries(p, {}, n); }
 
 TEST(MergeRows, AveragesEachBucket) {
   // The hand-computed plan of cache_policy_test (T = 10, gamma = 0.5): kept {0, 4, 6, 8, 9};
@@ -37,6 +42,13 @@ TEST(MergeRows, AveragesEachBucket) {
     EXPECT_FLOAT_EQ(merged[0][j][2].item<float>(), expected[j]);
     EXPECT_FLOAT_EQ(merged[1][j][0].item<float>(), 10 * expected[j]);
   }
+  // Weighted: row i weighs i, so bucket {1..5} gives (1 + 4 + 9 + 16 + 25) / 15 = 11/3 and
+  // {6, 7} gives (36 + 49) / 13.
+  plan.weight = {1, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+  merged = MergeRows(rows, plan);
+  EXPECT_FLOAT_EQ(merged[0][1][0].item<float>(), 55.f / 15);
+  EXPECT_FLOAT_EQ(merged[0][2][0].item<float>(), 85.f / 13);
+  EXPECT_FLOAT_EQ(merged[0][0][0].item<float>(), 0.f);
 }
 
 // Elastic's importance on a hand-made prefill: every query attends only to itself, so each
@@ -51,7 +63,7 @@ TEST(ElasticImportance, MeanRemovesTheEarlyPositionBias) {
   layout.dtype_bytes = 4;
   for (bool mean : {false, true}) {
     CacheParams p = Params(CachePolicy::kElastic, 0.5, 25, 1);  // K = 5, protected {0, 9}
-    p.elastic_mean_importance = mean;
+    p.elastic.importance = mean ? ImportanceMode::kMean : ImportanceMode::kSum;
     auto cache = NewPolicyKvCache(layout, p);
     ASSERT_TRUE(cache->WantsAttentionProbs(0));
     cache->Append(0, at::zeros({1, t, 2}), at::zeros({1, t, 2}));
@@ -60,6 +72,38 @@ TEST(ElasticImportance, MeanRemovesTheEarlyPositionBias) {
     const std::vector<int64_t> expected =
         mean ? std::vector<int64_t>{0, 6, 7, 8, 9} : std::vector<int64_t>{0, 1, 2, 3, 9};
     EXPECT_EQ(cache->Positions(0), expected) << "mean importance: " << mean;
+  }
+}
+
+// Instruction-only importance reads only the instruction's query rows, also when they arrive
+// in separate blocks: rows 1..5 attend to position 1, the instruction's rows (6..9) to
+// position 4. K = 6 with 5 pinned (BOS and the instruction) leaves one anchor, and it follows
+// the rows that are counted.
+TEST(ElasticImportance, InstructionModeCountsOnlyTheInstructionsRows) {
+  const int64_t t = 10;
+  KvLayout layout;
+  layout.num_layers = 1;
+  layout.kv_heads = 1;
+  layout.head_dim = 2;
+  layout.dtype_bytes = 4;
+  PromptSegments segments;
+  segments.images = {{2, 6}};
+  segments.instruction = {6, 10};
+  for (ImportanceMode mode : {ImportanceMode::kSum, ImportanceMode::kInstruction}) {
+    CacheParams p;
+    p.policy = CachePolicy::kElastic;
+    p.budget = 0.6;  // K = 6: BOS + the instruction (5 pinned) + one anchor
+    p.elastic.importance = mode;
+    auto cache = NewPolicyKvCache(layout, p, segments);
+    cache->Append(0, at::zeros({1, t, 2}), at::zeros({1, t, 2}));
+    at::Tensor probs = at::zeros({1, t, t});
+    for (int64_t i = 0; i < t; ++i) probs[0][i][i < 6 ? std::min<int64_t>(i, 1) : 4] = 1;
+    cache->ObserveAttention(0, probs.narrow(1, 0, 7));  // rows 0..6, then 7..9
+    cache->ObserveAttention(0, probs.narrow(1, 7, 3));
+    cache->OnForwardDone(t);
+    const int64_t anchor = mode == ImportanceMode::kSum ? 1 : 4;
+    EXPECT_EQ(cache->Positions(0), (std::vector<int64_t>{0, anchor, 6, 7, 8, 9}))
+        << ImportanceModeName(mode);
   }
 }
 
@@ -166,7 +210,7 @@ TEST_F(PolicyCacheTest, LengthAndBytesFollowTheBudgetEveryStep) {
     Run(cache.get(), Ids(t, trial), Ids(steps, 100 + trial), [&](int64_t n) {
       const KvStats s = cache->Stats();
       for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
-        ASSERT_EQ(cache->Length(l), params.EntryTarget(n))
+        ASSERT_EQ(cache->Length(l), Target(params, n))
             << CachePolicyName(policy) << " gamma " << gamma << " n " << n;
         ASSERT_EQ(static_cast<int64_t>(cache->Positions(l).size()), cache->Length(l));
         ASSERT_TRUE(std::is_sorted(cache->Positions(l).begin(), cache->Positions(l).end()));
@@ -175,7 +219,7 @@ TEST_F(PolicyCacheTest, LengthAndBytesFollowTheBudgetEveryStep) {
         }
       }
       ASSERT_EQ(s.tokens_seen, n);
-      ASSERT_EQ(s.bytes_kept, model_->kv_layout().num_layers * params.EntryTarget(n) *
+      ASSERT_EQ(s.bytes_kept, model_->kv_layout().num_layers * Target(params, n) *
                                   model_->kv_layout().bytes_per_entry());
       ASSERT_EQ(s.full_equivalent_bytes,
                 model_->kv_layout().num_layers * n * model_->kv_layout().bytes_per_entry());
@@ -195,7 +239,7 @@ TEST_F(PolicyCacheTest, ElasticEvictsAtTheFixedPoint) {
     const int layers = model_->kv_layout().num_layers;
     if (n == t) {
       fixed_point = ElasticFixedPoint(cache->Length(0), params);  // S0 - 4 + 1
-      EXPECT_EQ(fixed_point, params.EntryTarget(t) - 3);
+      EXPECT_EQ(fixed_point, Target(params, t) - 3);
       for (int l = 0; l < layers; ++l) {
         EXPECT_EQ(cache->Positions(l).front(), 0);     // BOS sink
         EXPECT_EQ(cache->Positions(l).back(), t - 1);  // last prompt token
@@ -204,7 +248,7 @@ TEST_F(PolicyCacheTest, ElasticEvictsAtTheFixedPoint) {
       for (int l = 0; l < layers; ++l) {
         std::vector<int64_t> expected = before[l];
         expected.push_back(n - 1);
-        if (static_cast<int64_t>(expected.size()) > params.EntryTarget(n)) {
+        if (static_cast<int64_t>(expected.size()) > Target(params, n)) {
           expected.erase(expected.begin() + fixed_point);
           if (l == 0) ++evictions;
         }
@@ -216,14 +260,49 @@ TEST_F(PolicyCacheTest, ElasticEvictsAtTheFixedPoint) {
   });
   EXPECT_GT(evictions, 15);
   EXPECT_EQ(cache->Stats().tokens_evicted, evictions);
-  EXPECT_EQ(cache->Stats().tokens_merged, t - params.EntryTarget(t));
+  EXPECT_EQ(cache->Stats().tokens_merged, t - Target(params, t));
+}
+
+// The product Elastic keeps the instruction verbatim through the merge and every decode step,
+// and holds exactly its target in every layer; the image rows are merged within the image.
+TEST_F(PolicyCacheTest, ProductElasticKeepsTheInstructionWhileDecoding) {
+  PromptSegments segments;
+  segments.images = {{2, 30}};
+  segments.instruction = {30, 40};
+  for (double gamma : {0.2, 0.5}) {
+    CacheParams params;
+    params.policy = CachePolicy::kElastic;
+    params.budget = gamma;
+    auto cache = NewKvCache(model_->kv_layout(), params, segments);
+    Run(cache.get(), Ids(40, 21), Ids(40, 22), [&](int64_t n) {
+      for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
+        const std::vector<int64_t>& pos = cache->Positions(l);
+        ASSERT_EQ(cache->Length(l), ProjectedEntries(params, segments, n)) << "n " << n;
+        ASSERT_EQ(pos.front(), 0);
+        for (int64_t i = 30; i < 40; ++i) {
+          ASSERT_TRUE(std::binary_search(pos.begin(), pos.end(), i))
+              << "instruction position " << i << " lost at n " << n << ", gamma " << gamma;
+        }
+        ASSERT_EQ(pos.back(), n - 1);
+      }
+    });
+    // Positions 1..29 compete for K - 11 anchor slots; position 1 ("USER:") has no other
+    // position in its text run, so unless it is an anchor itself it is dropped, never merged
+    // into the image.
+    const int64_t anchors = ProjectedEntries(params, segments, 40) - 11;
+    std::unique_ptr<KvCache> fresh = NewKvCache(model_->kv_layout(), params, segments);
+    Run(fresh.get(), Ids(40, 21), Ids(0, 22));
+    const KvStats s = fresh->Stats();
+    EXPECT_EQ(s.tokens_merged + s.tokens_evicted, 29 - anchors);
+    EXPECT_LE(s.tokens_evicted, anchors > 0 ? 1 : 29) << "gamma " << gamma;
+  }
 }
 
 TEST_F(PolicyCacheTest, StreamingKeepsSinksAndTheRecentWindow) {
   const CacheParams params = Params(CachePolicy::kStreamingLLM, 0.25);  // 4 sinks
   auto cache = NewKvCache(model_->kv_layout(), params);
   Run(cache.get(), Ids(40, 9), Ids(8, 10), [&](int64_t n) {
-    const int64_t target = params.EntryTarget(n);
+    const int64_t target = Target(params, n);
     std::vector<int64_t> expected = {0, 1, 2, 3};
     for (int64_t p = n - (target - 4); p < n; ++p) expected.push_back(p);
     EXPECT_EQ(cache->Positions(0), expected) << "n " << n;
@@ -234,7 +313,7 @@ TEST_F(PolicyCacheTest, H2OKeepsTheRecentHalfOfTheBudget) {
   const CacheParams params = Params(CachePolicy::kH2O, 0.3);
   auto cache = NewKvCache(model_->kv_layout(), params);
   Run(cache.get(), Ids(40, 11), Ids(10, 12), [&](int64_t n) {
-    const int64_t target = params.EntryTarget(n), recent = target - target / 2;
+    const int64_t target = Target(params, n), recent = target - target / 2;
     for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
       const auto& pos = cache->Positions(l);
       for (int64_t i = 0; i < recent; ++i) EXPECT_EQ(pos[pos.size() - 1 - i], n - 1 - i);
@@ -263,8 +342,7 @@ TEST_F(PolicyCacheTest, ElasticGenerationAcrossBudgets) {
     auto r = gen.Generate(req, nullptr);
     ASSERT_TRUE(r.ok()) << gamma << ": " << r.status().ToString();
     const KvLayout layout = (*loaded)->model->kv_layout();
-    for (int64_t e : r->kv.entries_per_layer)
-      EXPECT_EQ(e, req.kv_cache.EntryTarget(r->kv.tokens_seen));
+    for (int64_t e : r->kv.entries_per_layer) EXPECT_EQ(e, Target(req.kv_cache, r->kv.tokens_seen));
     EXPECT_EQ(r->kv.bytes_kept,
               layout.num_layers * r->kv.entries_per_layer[0] * layout.bytes_per_entry());
     if (gamma < 1.0) {

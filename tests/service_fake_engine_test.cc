@@ -172,6 +172,36 @@ TEST_F(FakeEngineServiceTest, UnaryCollectsTheTextAndConvertsTheRequest) {
   EXPECT_FLOAT_EQ(g.sampling.temperature, 0.7f);
   EXPECT_EQ(g.kv_cache.policy, CachePolicy::kElastic);
   EXPECT_DOUBLE_EQ(g.kv_cache.budget, 0.3);
+  EXPECT_EQ(g.kv_cache.elastic_variant, ElasticVariant::kProduct);  // the server default
+  EXPECT_TRUE(g.kv_cache.elastic.protect_instruction);
+}
+
+// The Elastic options: a preset, then the fields set on top of it.
+TEST_F(FakeEngineServiceTest, ElasticOptionsApplyOverTheVariant) {
+  v1::ChatRequest req = Request();
+  auto* kv = req.mutable_kv_cache();
+  kv->set_policy(v1::CACHE_POLICY_ELASTIC);
+  kv->set_recent_distance(9);
+  kv->mutable_elastic()->set_variant(v1::ELASTIC_VARIANT_PAPER);
+  kv->mutable_elastic()->set_importance(v1::IMPORTANCE_MODE_MEAN);
+  kv->mutable_elastic()->set_protect_instruction(true);
+  grpc::ClientContext ctx;
+  v1::ChatResponse resp;
+  ASSERT_TRUE(stub_->Chat(&ctx, req, &resp).ok());
+  const CacheParams& p = engine_.last_request.kv_cache;
+  EXPECT_EQ(p.elastic_variant, ElasticVariant::kPaper);
+  EXPECT_EQ(p.elastic.importance, ImportanceMode::kMean);
+  EXPECT_TRUE(p.elastic.protect_instruction);
+  EXPECT_FALSE(p.elastic.protect_system);                  // the paper's
+  EXPECT_EQ(p.elastic.merge_scope, MergeScope::kNearest);  // the paper's
+  EXPECT_EQ(p.elastic.recent_distance, 9);
+
+  kv->mutable_elastic()->set_merge_scope(static_cast<v1::MergeScope>(7));
+  grpc::ClientContext bad_ctx;
+  grpc::Status bad = stub_->Chat(&bad_ctx, req, &resp);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.error_message().find("kv_cache.elastic.merge_scope"), std::string::npos)
+      << bad.error_message();
 }
 
 TEST_F(FakeEngineServiceTest, EngineStatusesMapToGrpcCodes) {

@@ -200,19 +200,20 @@ int main(int argc, char** argv) {
   std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, dataset, out = "eval-out", dtype = "bf16";
   std::vector<std::string> policies = {"full", "elastic", "h2o", "streaming_llm"};
   std::vector<double> budgets = {1.0, 0.8, 0.5, 0.3, 0.2, 0.1};
-  int max_tokens = 64, threads = 0, limit = 0, recent_distance = 25;
+  int max_tokens = 64, threads = 0, limit = 0, recent_distance = 0;
   app.add_option("--model", model_dir, "llava-hf model folder")->capture_default_str();
   app.add_option("--dataset", dataset, "JSONL dataset")->required();
   app.add_option("--policies", policies,
-                 "policies to sweep; ablations: elastic_drop (Elastic's anchors, the other "
-                 "prompt entries dropped instead of merged), elastic_mean (importance = mean "
-                 "instead of summed attention)")
+                 "policies to sweep, each a name with options (ParseCacheSpec in "
+                 "engine/cache_policy.h), e.g. elastic, elastic+paper, "
+                 "elastic+paper+importance=mean; elastic_drop and elastic_mean are "
+                 "elastic+paper+merge=0 and elastic+paper+importance=mean")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--budgets", budgets, "budgets to sweep")->delimiter(',')->capture_default_str();
   app.add_option("--max-tokens", max_tokens, "greedy answer length limit")->capture_default_str();
-  app.add_option("--recent-distance", recent_distance, "Elastic fixed-point distance")
-      ->capture_default_str();
+  app.add_option("--recent-distance", recent_distance,
+                 "Elastic fixed-point distance (0: each policy's own, 25 in both presets)");
   app.add_option("--limit", limit, "use only the first N samples (0 = all)");
   app.add_option("--out", out, "output folder")->capture_default_str();
   std::string items_path;
@@ -236,21 +237,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", samples.status().ToString().c_str());
     return 1;
   }
-  std::vector<CachePolicy> parsed;
-  // Ablations of Elastic (not in the API): elastic_drop drops instead of merging,
-  // elastic_mean scores positions by mean instead of summed attention.
-  std::vector<bool> merge, mean_importance;
-  for (auto& p : policies) {
-    const bool drop = p == "elastic_drop", mean = p == "elastic_mean";
-    auto pp = llava::ParseCachePolicy(drop || mean ? "elastic" : p);
+  std::vector<CacheParams> parsed;  // budget set per cell
+  for (const auto& p : policies) {
+    auto pp = llava::ParseCacheSpec(p);
     if (!pp.ok()) {
-      std::fprintf(stderr, "error: %s\n", pp.status().ToString().c_str());
+      std::fprintf(stderr, "error: --policies: %s\n", pp.status().ToString().c_str());
       return 1;
     }
+    if (recent_distance > 0) pp->elastic.recent_distance = recent_distance;
     parsed.push_back(*pp);
-    merge.push_back(!drop);
-    mean_importance.push_back(mean);
-    if (!drop && !mean) p = llava::CachePolicyName(*pp);
   }
   llava::Generator gen(**loaded, llava::EngineLimits{});
   std::map<std::pair<std::string, double>, Cell> cells;
@@ -268,14 +263,11 @@ int main(int argc, char** argv) {
     }
     for (size_t pi = 0; pi < parsed.size(); ++pi) {
       for (double b : budgets) {
-        if (parsed[pi] == CachePolicy::kFull && b != budgets.front()) continue;
-        const double budget = parsed[pi] == CachePolicy::kFull ? 1.0 : b;
-        CacheParams kv;
-        kv.policy = parsed[pi];
+        const bool is_full = parsed[pi].policy == CachePolicy::kFull;
+        if (is_full && b != budgets.front()) continue;
+        const double budget = is_full ? 1.0 : b;
+        CacheParams kv = parsed[pi];
         kv.budget = budget;
-        kv.recent_distance = recent_distance;
-        kv.elastic_merge = merge[pi];
-        kv.elastic_mean_importance = mean_importance[pi];
         s.request.kv_cache = kv;
         auto score = gen.ScoreAnswer(s.request, s.answer);
         auto answer = gen.Generate(s.request, nullptr);

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "engine/generator.h"
+#include "engine/kv_policy.h"
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
 
@@ -32,11 +33,14 @@ int main(int argc, char** argv) {
   app.add_option("--stop", sp.stop, "stop string (repeatable)");
   std::string policy = "elastic", position_mode = "original";
   llava::CacheParams kv;
-  app.add_option("--policy", policy, "KV cache policy: full | elastic | h2o | streaming_llm")
+  int recent_distance = 0;
+  app.add_option("--policy", policy,
+                 "KV cache policy (" + llava::KvPolicyNames() +
+                     ") with options, e.g. elastic+paper (engine/cache_policy.h, ParseCacheSpec)")
       ->capture_default_str();
   app.add_option("--budget", kv.budget, "KV budget ratio gamma in (0, 1]")->capture_default_str();
-  app.add_option("--recent-distance", kv.recent_distance, "Elastic fixed-point distance")
-      ->capture_default_str();
+  app.add_option("--recent-distance", recent_distance,
+                 "Elastic fixed-point distance (0: the preset's, 25)");
   app.add_option("--sink-tokens", kv.sink_tokens, "protected first tokens (-1: policy default)")
       ->capture_default_str();
   app.add_option("--position-mode", position_mode, "original | compressed")->capture_default_str();
@@ -57,17 +61,19 @@ int main(int argc, char** argv) {
   }
   llava::GenerationRequest req;
   req.sampling = sp;
-  auto parsed_policy = llava::ParseCachePolicy(policy);
   auto parsed_mode = llava::ParsePositionMode(position_mode);
-  if (!parsed_policy.ok() || !parsed_mode.ok()) {
-    std::fprintf(
-        stderr, "error: %s\n",
-        (parsed_policy.ok() ? parsed_mode.status() : parsed_policy.status()).ToString().c_str());
+  if (!parsed_mode.ok()) {
+    std::fprintf(stderr, "error: %s\n", parsed_mode.status().ToString().c_str());
     return 1;
   }
-  kv.policy = *parsed_policy;
   kv.position_mode = *parsed_mode;
-  req.kv_cache = kv;
+  auto parsed = llava::ParseCacheSpec(policy, kv);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "error: %s\n", parsed.status().ToString().c_str());
+    return 1;
+  }
+  req.kv_cache = *parsed;
+  if (recent_distance > 0) req.kv_cache.elastic.recent_distance = recent_distance;
   if (!system_prompt.empty()) {
     req.messages.push_back({"system", {{llava::ContentPart::Kind::kText, system_prompt, 0}}});
   }
