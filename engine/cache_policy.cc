@@ -98,13 +98,15 @@ const char* ImportanceModeName(ImportanceMode m) {
       return "mean";
     case ImportanceMode::kInstruction:
       return "instruction";
+    case ImportanceMode::kHybrid:
+      return "hybrid";
   }
   return "?";
 }
 
 StatusOr<ImportanceMode> ParseImportanceMode(std::string_view name) {
   static constexpr ImportanceMode kAll[] = {ImportanceMode::kSum, ImportanceMode::kMean,
-                                            ImportanceMode::kInstruction};
+                                            ImportanceMode::kInstruction, ImportanceMode::kHybrid};
   return ParseEnum(name, "kv_cache.elastic.importance", kAll, ImportanceModeName);
 }
 

@@ -27,6 +27,7 @@ enum class ImportanceMode {
   kSum,          // column sum over every prompt query (the paper)
   kMean,         // ... divided by the number of prompt queries that can see the position
   kInstruction,  // mean over the instruction's queries only (the text after the last image)
+  kHybrid,       // kMean + kInstruction
 };
 // Which anchors an unkept prompt entry may be merged into.
 enum class MergeScope {
@@ -98,7 +99,7 @@ const char* CachePolicyName(CachePolicy p);  // "full", "elastic", "h2o", "strea
 StatusOr<CachePolicy> ParseCachePolicy(std::string_view name);
 const char* PositionModeName(PositionMode m);  // "original", "compressed"
 StatusOr<PositionMode> ParsePositionMode(std::string_view name);
-const char* ImportanceModeName(ImportanceMode m);  // "sum", "mean", "instruction"
+const char* ImportanceModeName(ImportanceMode m);  // "sum", "mean", "instruction", "hybrid"
 StatusOr<ImportanceMode> ParseImportanceMode(std::string_view name);
 const char* MergeScopeName(MergeScope s);          // "nearest", "segment"
 const char* DecodeEvictionName(DecodeEviction e);  // "fixed_point", "scored"

@@ -16,6 +16,7 @@ class ElasticPolicy final : public KvPolicy {
       : params_(params),
         segments_(segments),
         sums_(num_layers),
+        instruction_sums_(num_layers),
         decode_scores_(num_layers),
         pinned_(num_layers) {}
 
@@ -29,23 +30,30 @@ class ElasticPolicy final : public KvPolicy {
   }
 
   bool WantsScores(bool prefilled) const override { return !prefilled || scored_; }
-  int64_t FirstScoredRow() const override { return first_scored_row_; }
-  void AddScores(int layer, const float* col, int64_t len) override {
-    std::vector<float>& s = prefilled_ ? decode_scores_[layer] : sums_[layer];
-    s.resize(std::max<int64_t>(len, s.size()), 0.f);
-    for (int64_t j = 0; j < len; ++j) s[j] += col[j];
+  int64_t ScoreSplitRow() const override { return segments_.instruction.begin; }
+  void AddScores(int layer, int64_t first_row, const float* col, int64_t len) override {
+    auto add = [&](std::vector<float>& s) {
+      s.resize(std::max<int64_t>(len, s.size()), 0.f);
+      for (int64_t j = 0; j < len; ++j) s[j] += col[j];
+    };
+    if (prefilled_) return add(decode_scores_[layer]);
+    add(sums_[layer]);
+    if (first_row >= segments_.instruction.begin) add(instruction_sums_[layer]);
   }
 
   MergePlan PlanPrompt(int layer, int64_t len) override {
-    std::vector<float>& s = sums_[layer];
-    s.resize(len, 0.f);
-    const MergePlan plan = PlanElasticMerge(
-        ElasticImportance(std::move(s), params_.elastic.importance, first_scored_row_), params_,
-        segments_);
-    s.clear();  // importance is not used after the merge
-    s.shrink_to_fit();
-    pinned_[layer] = plan.pinned;
+    sums_[layer].resize(len, 0.f);
+    instruction_sums_[layer].resize(len, 0.f);
+    const MergePlan plan =
+        PlanElasticMerge(ElasticImportance(sums_[layer], instruction_sums_[layer],
+                                           params_.elastic.importance, segments_.instruction.begin),
+                         params_, segments_);
     if (scored_) decode_scores_[layer].assign(plan.kept.size(), 0.f);
+    for (auto* s : {&sums_[layer], &instruction_sums_[layer]}) {
+      s->clear();  // importance is not used after the merge
+      s->shrink_to_fit();
+    }
+    pinned_[layer] = plan.pinned;
     pinned_count_ = std::count(plan.pinned.begin(), plan.pinned.end(), true);
     if (layer == 0) fixed_point_ = ElasticFixedPoint(plan.kept.size(), params_);
     if (layer + 1 == static_cast<int>(pinned_.size())) prefilled_ = true;
@@ -68,15 +76,12 @@ class ElasticPolicy final : public KvPolicy {
  private:
   const CacheParams params_;
   const PromptSegments segments_;
-  // Instruction-only importance counts the instruction's queries (all of them when the prompt
-  // layout is unknown).
-  const int64_t first_scored_row_ =
-      params_.elastic.importance == ImportanceMode::kInstruction ? segments_.instruction.begin : 0;
   const bool scored_ = params_.elastic.eviction == DecodeEviction::kScored;
-  std::vector<std::vector<float>> sums_;           // per layer [T]: attention column sums (prefill)
-  std::vector<std::vector<float>> decode_scores_;  // per layer, aligned: attention received
-                                                   // while decoding (kScored only)
-  std::vector<std::vector<bool>> pinned_;          // per layer, aligned with the entries
+  std::vector<std::vector<float>> sums_;  // per layer [T]: attention column sums (prefill)
+  std::vector<std::vector<float>> instruction_sums_;  // ... of the instruction's rows only
+  std::vector<std::vector<float>> decode_scores_;     // per layer, aligned: attention received
+                                                      // while decoding (kScored only)
+  std::vector<std::vector<bool>> pinned_;             // per layer, aligned with the entries
   int64_t pinned_count_ = 0;  // pinned entries per layer (the same in every layer)
   int64_t fixed_point_ = 0;   // N_tl
   bool prefilled_ = false;
@@ -97,15 +102,22 @@ std::vector<int64_t> ElasticPinned(const CacheParams& params, const PromptSegmen
   return out;
 }
 
-std::vector<float> ElasticImportance(std::vector<float> sums, ImportanceMode mode,
-                                     int64_t first_scored_row) {
-  if (mode == ImportanceMode::kSum) return sums;
+std::vector<float> ElasticImportance(const std::vector<float>& sums,
+                                     const std::vector<float>& instruction_sums,
+                                     ImportanceMode mode, int64_t instruction_begin) {
   const int64_t t = static_cast<int64_t>(sums.size());
-  const int64_t r0 = mode == ImportanceMode::kInstruction ? first_scored_row : 0;
+  if (mode == ImportanceMode::kSum) return sums;
+  // Queries that can see position j: t - j of all; t - max(j, begin) of the instruction's.
+  std::vector<float> out(t, 0.f);
   for (int64_t j = 0; j < t; ++j) {
-    sums[j] /= static_cast<float>(std::max<int64_t>(1, t - std::max(j, r0)));
+    const float all = sums[j] / static_cast<float>(t - j);
+    const float instr = instruction_sums[j] / static_cast<float>(std::max<int64_t>(
+                                                  1, t - std::max(j, instruction_begin)));
+    out[j] = mode == ImportanceMode::kMean          ? all
+             : mode == ImportanceMode::kInstruction ? instr
+                                                    : all + instr;
   }
-  return sums;
+  return out;
 }
 
 MergePlan PlanElasticMerge(const std::vector<float>& importance, const CacheParams& params,

@@ -20,12 +20,14 @@ namespace llava {
 std::vector<int64_t> ElasticPinned(const CacheParams& params, const PromptSegments& segments,
                                    int64_t t);
 
-// Turns raw column sums into importance [t]. `first_scored_row` is the first prompt query
-// whose attention was summed (0: all). kSum: the sums as they are; kMean and kInstruction:
-// each divided by the number of summed queries that can see the position,
-// t - max(position, first_scored_row) (kInstruction is kMean over the instruction's queries).
-std::vector<float> ElasticImportance(std::vector<float> sums, ImportanceMode mode,
-                                     int64_t first_scored_row);
+// Importance [t] from the attention column sums of every prompt query (`sums`) and of the
+// instruction's queries, rows >= `instruction_begin` (`instruction_sums`). kSum: `sums`;
+// kMean: each sum divided by the t - j queries that see position j; kInstruction: the
+// instruction's sums divided by the t - max(j, instruction_begin) of its queries that see j;
+// kHybrid: kMean + kInstruction. With no instruction known (begin 0) both sums are the same.
+std::vector<float> ElasticImportance(const std::vector<float>& sums,
+                                     const std::vector<float>& instruction_sums,
+                                     ImportanceMode mode, int64_t instruction_begin);
 
 // The merge of one layer's t prompt entries. Kept: the pinned positions, position t-1, and as
 // anchors the K - |those| other positions of highest importance (ties: earlier position),

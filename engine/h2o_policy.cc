@@ -15,7 +15,7 @@ class H2OPolicy final : public KvPolicy {
     return EntryTarget(params_.budget, n, 1);  // the newest entry
   }
   bool WantsScores(bool) const override { return true; }
-  void AddScores(int layer, const float* col, int64_t len) override {
+  void AddScores(int layer, int64_t, const float* col, int64_t len) override {
     std::vector<float>& s = scores_[layer];
     s.resize(std::max<int64_t>(len, s.size()), 0.f);
     for (int64_t j = 0; j < len; ++j) s[j] += col[j];

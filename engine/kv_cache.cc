@@ -157,20 +157,23 @@ class CompressingKvCache final : public KvCache {
   bool WantsAttentionProbs(int layer) const override { return policy_->WantsScores(prefilled_); }
   void ObserveAttention(int layer, const at::Tensor& probs) override {
     // probs [H, rows, len]: while the prompt is fed its blocks arrive in row order, so the
-    // block's first row is the prompt position rows_seen_; rows before the policy's first
-    // scored row are left out. Decode rows always count.
-    int64_t skip = 0;
-    if (!prefilled_) {
-      skip = std::clamp<int64_t>(policy_->FirstScoredRow() - rows_seen_[layer], 0, probs.size(1));
-      rows_seen_[layer] += probs.size(1);
-    }
-    if (skip == probs.size(1)) return;
-    at::Tensor col = probs.narrow(1, skip, probs.size(1) - skip)
-                         .sum(at::IntArrayRef{0, 1})
-                         .div_(probs.size(0))
-                         .to(at::kCPU, at::kFloat)
-                         .contiguous();
-    policy_->AddScores(layer, col.data_ptr<float>(), col.size(0));
+    // block's first row is the prompt position rows_seen_; a block that straddles the policy's
+    // split row is handed over as two. Decode rows have no prompt position (-1).
+    auto add = [&](int64_t first_row, int64_t begin, int64_t rows) {
+      at::Tensor col = probs.narrow(1, begin, rows)
+                           .sum(at::IntArrayRef{0, 1})
+                           .div_(probs.size(0))
+                           .to(at::kCPU, at::kFloat)
+                           .contiguous();
+      policy_->AddScores(layer, first_row, col.data_ptr<float>(), col.size(0));
+    };
+    const int64_t rows = probs.size(1);
+    if (prefilled_) return add(-1, 0, rows);
+    const int64_t first = rows_seen_[layer];
+    rows_seen_[layer] += rows;
+    const int64_t split = std::clamp<int64_t>(policy_->ScoreSplitRow() - first, 0, rows);
+    if (split > 0) add(first, 0, split);
+    if (split < rows) add(first + split, split, rows - split);
   }
 
   void OnForwardDone(int64_t n_new) override {

@@ -40,12 +40,15 @@ class KvPolicy {
   virtual int64_t Target(int64_t n) const = 0;
 
   // Attention column sums: true while the policy wants them (`prefilled` is false while the
-  // prompt is fed). Prompt query rows before FirstScoredRow() are not counted.
+  // prompt is fed).
   virtual bool WantsScores(bool prefilled) const { return false; }
-  virtual int64_t FirstScoredRow() const { return 0; }
+  // Blocks of prompt query rows handed to AddScores never straddle this row, so a policy can
+  // tell the instruction's queries from the others.
+  virtual int64_t ScoreSplitRow() const { return 0; }
   // `column_sums` [len]: attention each of the layer's `len` entries received from a block of
-  // query rows, summed over the rows and averaged over heads.
-  virtual void AddScores(int layer, const float* column_sums, int64_t len) {}
+  // query rows starting at prompt position `first_row` (-1: a decode row), summed over the rows
+  // and averaged over heads.
+  virtual void AddScores(int layer, int64_t first_row, const float* column_sums, int64_t len) {}
 
   // After the prompt's last forward pass; the layer holds `len` prompt entries in position
   // order. A plan that keeps all `len` entries leaves the layer as it is.

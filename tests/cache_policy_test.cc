@@ -210,15 +210,19 @@ TEST(ElasticPinned, SinksAndTheProtectedSpans) {
   EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 8, 9, 10, 11}));
 }
 
-// importance sums [T = 6]; instruction rows from 4 on.
+// Column sums [T = 6] of every prompt query and of the instruction's (rows 4 and 5).
 TEST(ElasticImportance, EachModeDividesByTheQueriesThatWereSummed) {
   const std::vector<float> sums = {6, 5, 4, 3, 2, 1};
-  EXPECT_EQ(ElasticImportance(sums, ImportanceMode::kSum, 4), sums);
+  const std::vector<float> instruction = {4, 3, 2, 1, 1, 0.5f};
+  EXPECT_EQ(ElasticImportance(sums, instruction, ImportanceMode::kSum, 4), sums);
   // mean: position j is seen by 6 - j queries -> every value is 1.
-  EXPECT_EQ(ElasticImportance(sums, ImportanceMode::kMean, 4), std::vector<float>(6, 1.f));
-  // instruction: positions before 4 are seen by both instruction queries, 4 by 2, 5 by 1.
-  EXPECT_EQ(ElasticImportance(sums, ImportanceMode::kInstruction, 4),
-            (std::vector<float>{3, 2.5f, 2, 1.5f, 1, 1}));
+  EXPECT_EQ(ElasticImportance(sums, instruction, ImportanceMode::kMean, 4),
+            std::vector<float>(6, 1.f));
+  // instruction: positions up to 4 are seen by both instruction queries, 5 by one.
+  EXPECT_EQ(ElasticImportance(sums, instruction, ImportanceMode::kInstruction, 4),
+            (std::vector<float>{2, 1.5f, 1, 0.5f, 0.5f, 0.5f}));
+  EXPECT_EQ(ElasticImportance(sums, instruction, ImportanceMode::kHybrid, 4),
+            (std::vector<float>{3, 2.5f, 2, 1.5f, 1.5f, 1.5f}));
 }
 
 // K = 6 of 12: pinned {0, 8, 9, 10, 11} leave one anchor, the most important unpinned

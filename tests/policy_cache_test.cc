@@ -2,6 +2,7 @@
 // accounting, and budget 1 == Full.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <random>
 
 #include "engine/elastic_policy.h"
@@ -157,13 +158,22 @@ TEST_F(PolicyCacheTest, BudgetOneEqualsFullForEveryPolicy) {
 // attention scores add up across chunks and compression waits for the last one.
 TEST_F(PolicyCacheTest, ChunkedPrefillMatchesOnePass) {
   const at::Tensor prompt = Ids(37, 5), steps = Ids(6, 6);
-  for (CachePolicy p : {CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM}) {
-    const CacheParams params = Params(p, 0.3, /*recent=*/4);
-    auto whole = NewKvCache(model_->kv_layout(), params);
+  // The product Elastic also reads the instruction's rows (from 29: inside the 20-row chunk).
+  PromptSegments segments;
+  segments.images = {{3, 29}};
+  segments.instruction = {29, 37};
+  for (int k = 0; k < 4; ++k) {
+    const CachePolicy p = k == 3
+                              ? CachePolicy::kElastic
+                              : std::array<CachePolicy, 3>{CachePolicy::kElastic, CachePolicy::kH2O,
+                                                           CachePolicy::kStreamingLLM}[k];
+    CacheParams params = Params(p, 0.3, /*recent=*/4);
+    if (k == 3) params.elastic = ElasticPreset(ElasticVariant::kProduct);
+    auto whole = NewKvCache(model_->kv_layout(), params, segments);
     std::vector<at::Tensor> ref = {
         model_->Forward({{model_->Embed(prompt), 0, whole.get(), false}})};
 
-    auto chunked = NewKvCache(model_->kv_layout(), params);
+    auto chunked = NewKvCache(model_->kv_layout(), params, segments);
     const at::Tensor embeds = model_->Embed(prompt);
     std::vector<at::Tensor> out;
     int64_t begin = 0;
