@@ -408,8 +408,12 @@ int main(int argc, char** argv) {
   layers = config.text.num_hidden_layers;
   const int64_t vocab = config.text.vocab_size;
   if (suite == "policies") {
-    // 600 tokens: 576 image rows + a short question, as a LLaVA-1.5 prompt.
-    PolicySuite(model, 600, 2048, steps, std::max(3, reps), 0.2);
+    // 600 tokens: 576 image rows + a short question, as a LLaVA-1.5 prompt; a model of ours
+    // (--model) gets its own prompt size (image rows + 20) and a context that fits.
+    const int64_t max_pos = config.text.max_position_embeddings;
+    const int policy_prompt = loaded ? config.image_tokens() + 20 : 600;
+    const int policy_context = static_cast<int>(std::min<int64_t>(2048, max_pos - steps - 1));
+    PolicySuite(model, policy_prompt, policy_context, steps, std::max(3, reps), 0.2);
     return 0;
   }
 

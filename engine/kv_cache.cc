@@ -264,7 +264,50 @@ std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CachePar
                                               NewKvPolicy(params, segments, layout.num_layers));
 }
 
+namespace {
+
+// MergeRows on the CPU: one pass over the rows, fp32 accumulators, no tensor ops (a prompt
+// merge is a few hundred rows per layer; ATen's per-op overhead dominated the small model's
+// prefill).
+template <typename T>
+at::Tensor MergeRowsCpu(const at::Tensor& rows, const MergePlan& plan) {
+  const int64_t heads = rows.size(0), t = rows.size(1), hd = rows.size(2);
+  const int64_t k = static_cast<int64_t>(plan.kept.size());
+  at::Tensor out = at::empty({heads, k, hd}, rows.options());
+  std::vector<float> acc(k * hd), total(k);
+  const T* src = rows.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  for (int64_t h = 0; h < heads; ++h) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(total.begin(), total.end(), 0.f);
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t b = plan.bucket[i];
+      if (b < 0) continue;
+      const float w = plan.weight.empty() ? 1.f : plan.weight[i];
+      const T* row = src + h * rows.stride(0) + i * rows.stride(1);
+      float* a = acc.data() + b * hd;
+      for (int64_t d = 0; d < hd; ++d) a[d] += w * static_cast<float>(row[d]);
+      total[b] += w;
+    }
+    for (int64_t b = 0; b < k; ++b) {
+      for (int64_t d = 0; d < hd; ++d)
+        dst[(h * k + b) * hd + d] = static_cast<T>(acc[b * hd + d] / total[b]);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan) {
+  if (rows.device().is_cpu() && rows.stride(2) == 1 && !rows.requires_grad()) {
+    if (rows.scalar_type() == at::kFloat) return MergeRowsCpu<float>(rows, plan);
+    if (rows.scalar_type() == at::kBFloat16) return MergeRowsCpu<at::BFloat16>(rows, plan);
+  }
+  return MergeRowsReference(rows, plan);
+}
+
+at::Tensor MergeRowsReference(const at::Tensor& rows, const MergePlan& plan) {
   // rows [Hkv, T, hd]; bucket[i] = kept index of row i or -1 (dropped); weight[i] its weight.
   std::vector<int64_t> src, dst;
   std::vector<float> w;

@@ -95,5 +95,7 @@ std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CachePar
 // The prompt merge of one layer's rows: rows [Hkv, T, hd] -> [Hkv, plan.kept.size(), hd], each
 // kept entry the mean (plain, or weighted by plan.weight; computed in fp32) of its bucket.
 at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan);
+// The same with tensor ops on any device (MergeRows uses it off the CPU; tests compare the two).
+at::Tensor MergeRowsReference(const at::Tensor& rows, const MergePlan& plan);
 
 }  // namespace llava

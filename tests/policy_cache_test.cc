@@ -50,6 +50,17 @@ TEST(MergeRows, AveragesEachBucket) {
   EXPECT_FLOAT_EQ(merged[0][1][0].item<float>(), 55.f / 15);
   EXPECT_FLOAT_EQ(merged[0][2][0].item<float>(), 85.f / 13);
   EXPECT_FLOAT_EQ(merged[0][0][0].item<float>(), 0.f);
+  // The CPU loop and the tensor-op version (used on other devices) agree, on a strided view.
+  at::Tensor wide = at::randn({2, 16, 3});
+  at::Tensor view = wide.narrow(1, 0, 10);
+  for (bool weighted : {false, true}) {
+    plan.weight.clear();
+    if (weighted) plan.weight = {1, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+    EXPECT_TRUE(at::allclose(MergeRows(view, plan), MergeRowsReference(view, plan), 1e-6, 1e-6));
+    EXPECT_TRUE(at::allclose(MergeRows(view.to(at::kBFloat16), plan).to(at::kFloat),
+                             MergeRowsReference(view.to(at::kBFloat16), plan).to(at::kFloat), 1e-2,
+                             1e-2));
+  }
 }
 
 // Elastic's importance on a hand-made prefill: every query attends only to itself, so each

@@ -30,6 +30,19 @@ TEST(SteadyEntries, FullAndCompressed) {
   EXPECT_EQ(SteadyEntries(400, 1000, Kv(CachePolicy::kH2O, 0.5)), 700);
 }
 
+// The product Elastic never drops its instruction: a 30-token instruction plus BOS and the
+// newest entry outweigh a 2% budget, and admission counts them.
+TEST(SteadyEntries, CountsTheProtectedInstruction) {
+  PromptSegments segments;
+  segments.images = {{5, 570}};
+  segments.instruction = {570, 600};
+  EXPECT_EQ(SteadyEntries(600, 200, Kv(CachePolicy::kElastic, 0.02), segments), 32);
+  EXPECT_EQ(SteadyEntries(600, 200, Kv(CachePolicy::kElastic, 0.2), segments), 160);
+  CacheParams paper = Kv(CachePolicy::kElastic, 0.02);
+  paper.elastic = ElasticPreset(ElasticVariant::kPaper);
+  EXPECT_EQ(SteadyEntries(600, 200, paper, segments), 16);  // ceil(0.02 * 800)
+}
+
 TEST(Scheduler, AdmitsFifoWhileBytesFit) {
   Scheduler s(Config());
   // Full, 200 + 100 tokens -> 300 entries x 2 layers x 100 B = 60 000 B.
