@@ -63,16 +63,22 @@ TEST(MergeRows, AveragesEachBucket) {
   }
 }
 
-// Elastic's importance on a hand-made prefill: every query attends only to itself, so each
-// position's column sum is 1 (ties: the plain sum keeps the earliest anchors) while its mean
-// over the T - n queries that can see it grows toward the end of the prompt.
-TEST(ElasticImportance, MeanRemovesTheEarlyPositionBias) {
-  const int64_t t = 10;
+// One layer, one head of width 2, fp32: for caches fed hand-made attention.
+KvLayout OneLayerLayout() {
   KvLayout layout;
   layout.num_layers = 1;
   layout.kv_heads = 1;
   layout.head_dim = 2;
   layout.dtype_bytes = 4;
+  return layout;
+}
+
+// Elastic's importance on a hand-made prefill: every query attends only to itself, so each
+// position's column sum is 1 (ties: the plain sum keeps the earliest anchors) while its mean
+// over the T - n queries that can see it grows toward the end of the prompt.
+TEST(ElasticImportance, MeanRemovesTheEarlyPositionBias) {
+  const int64_t t = 10;
+  const KvLayout layout = OneLayerLayout();
   for (bool mean : {false, true}) {
     CacheParams p = Params(CachePolicy::kElastic, 0.5, 25, 1);  // K = 5, protected {0, 9}
     p.elastic.importance = mean ? ImportanceMode::kMean : ImportanceMode::kSum;
@@ -93,11 +99,7 @@ TEST(ElasticImportance, MeanRemovesTheEarlyPositionBias) {
 // the rows that are counted.
 TEST(ElasticImportance, InstructionModeCountsOnlyTheInstructionsRows) {
   const int64_t t = 10;
-  KvLayout layout;
-  layout.num_layers = 1;
-  layout.kv_heads = 1;
-  layout.head_dim = 2;
-  layout.dtype_bytes = 4;
+  const KvLayout layout = OneLayerLayout();
   PromptSegments segments;
   segments.images = {{2, 6}};
   segments.instruction = {6, 10};
