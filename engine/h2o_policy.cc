@@ -23,15 +23,9 @@ class H2OPolicy final : public KvPolicy {
   MergePlan PlanPrompt(int layer, int64_t len) override {
     std::vector<float>& s = scores_[layer];
     s.resize(len, 0.f);
-    MergePlan plan;
-    plan.kept = H2OKeep(s, Target(len));
-    plan.bucket.assign(len, -1);
+    MergePlan plan = KeepOnlyPlan(H2OKeep(s, Target(len)), len);
     std::vector<float> kept_scores;
-    for (size_t i = 0; i < plan.kept.size(); ++i) {
-      plan.bucket[plan.kept[i]] = static_cast<int64_t>(i);
-      kept_scores.push_back(s[plan.kept[i]]);
-    }
-    plan.dropped = len - static_cast<int64_t>(plan.kept.size());
+    for (int64_t i : plan.kept) kept_scores.push_back(s[i]);
     s = std::move(kept_scores);
     return plan;
   }

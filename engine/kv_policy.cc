@@ -14,11 +14,9 @@ class FullPolicy final : public KvPolicy {
  public:
   int64_t Target(int64_t n) const override { return n; }
   MergePlan PlanPrompt(int, int64_t len) override {
-    MergePlan plan;
-    plan.kept.resize(len);
-    std::iota(plan.kept.begin(), plan.kept.end(), 0);
-    plan.bucket = plan.kept;
-    return plan;
+    std::vector<int64_t> all(len);
+    std::iota(all.begin(), all.end(), 0);
+    return KeepOnlyPlan(std::move(all), len);
   }
   int64_t Victim(int, int64_t, int64_t) const override { return -1; }
 };
@@ -30,6 +28,17 @@ std::unique_ptr<KvPolicy> NewFullPolicy(const CacheParams&, const PromptSegments
 }
 
 }  // namespace
+
+MergePlan KeepOnlyPlan(std::vector<int64_t> kept, int64_t len) {
+  MergePlan plan;
+  plan.kept = std::move(kept);
+  plan.bucket.assign(len, -1);
+  for (size_t i = 0; i < plan.kept.size(); ++i) {
+    plan.bucket[plan.kept[i]] = static_cast<int64_t>(i);
+  }
+  plan.dropped = len - static_cast<int64_t>(plan.kept.size());
+  return plan;
+}
 
 const std::vector<KvPolicyInfo>& KvPolicyRegistry() {
   static const std::vector<KvPolicyInfo> kRegistry = {

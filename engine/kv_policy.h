@@ -32,6 +32,9 @@ struct MergePlan {
   int64_t dropped = 0;
 };
 
+// The plan that keeps `kept` (ascending entries of `len`) and drops the rest, merging nothing.
+MergePlan KeepOnlyPlan(std::vector<int64_t> kept, int64_t len);
+
 class KvPolicy {
  public:
   virtual ~KvPolicy() = default;

@@ -13,12 +13,7 @@ class StreamingPolicy final : public KvPolicy {
     return EntryTarget(params_.budget, n, params_.sinks() + 1);  // the sinks and the newest
   }
   MergePlan PlanPrompt(int, int64_t len) override {
-    MergePlan plan;
-    plan.kept = StreamingKeep(len, Target(len), params_.sinks());
-    plan.bucket.assign(len, -1);
-    for (size_t i = 0; i < plan.kept.size(); ++i) plan.bucket[plan.kept[i]] = i;
-    plan.dropped = len - static_cast<int64_t>(plan.kept.size());
-    return plan;
+    return KeepOnlyPlan(StreamingKeep(len, Target(len), params_.sinks()), len);
   }
   int64_t Victim(int, int64_t len, int64_t) const override {
     return std::min<int64_t>(params_.sinks(), len - 1);
