@@ -6,7 +6,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 SOURCES := $(shell git ls-files '*.h' '*.cc' 2>/dev/null)
 
-.PHONY: all deps build build-cuda test serve generate bench train eval-default ship-model test-sanitize format check-format clean
+.PHONY: all deps build build-cuda test serve generate bench train train-layouts eval-default ship-model test-sanitize format check-format clean
 
 all: build
 
@@ -42,6 +42,23 @@ train: build
 	  --warmup 200 --attn-weight 0.2 --attn-absent true --max-minutes 58 --describe-prob 0.35 \
 	  --min-questions 6 --max-questions 12 --question-weights $(QUESTION_WEIGHTS) \
 	  --count-weight 0.1 --count-layer 2
+
+# The second stage of the shipped model: `make train`'s model taught the paper's prompt layout
+# (llava_v1 system prompt, the question before the image) and reworded questions from its
+# weights, in two runs: 1,100 steps with half the conversations in that layout, then 650 with
+# 70% and more position and "which is larger" questions (~25 + 15 min here; docs/TRAINING.md).
+# Writes $(BUILD)/shapes-llava-layouts2 from $(INIT), by default `make train`'s output.
+INIT ?= $(BUILD)/shapes-llava
+LAYOUT_WEIGHTS := colour=2,shape=2,count_all=0.25,count_shape=2,count_colour=1.5,position=3,exists=1.25,larger=3,where=1.25
+train-layouts: build
+	./$(BUILD)/llava-train --init $(INIT) --out $(BUILD)/shapes-llava-layouts --seed 9 \
+	  --steps 1100 --batch 16 --warmup 50 --lr 1.5e-4 --attn-weight 0.2 --attn-absent true \
+	  --max-minutes 25 --describe-prob 0.35 --min-questions 6 --max-questions 12 \
+	  --question-weights $(QUESTION_WEIGHTS) --paper-layout 0.5 --paraphrase 0.3
+	./$(BUILD)/llava-train --init $(BUILD)/shapes-llava-layouts --out $(BUILD)/shapes-llava-layouts2 \
+	  --seed 10 --steps 650 --batch 16 --warmup 30 --lr 1e-4 --attn-weight 0.2 \
+	  --attn-absent true --max-minutes 16 --describe-prob 0.35 --min-questions 6 \
+	  --max-questions 12 --question-weights $(LAYOUT_WEIGHTS) --paper-layout 0.7 --paraphrase 0.3
 
 # The quality table of docs/POLICIES.md: every policy x budget on the held-out split.
 eval-default: build

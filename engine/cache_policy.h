@@ -46,7 +46,8 @@ enum class DecodeEviction {
 // Elastic Cache's knobs (DESIGN.md section 4.2). The named presets are ElasticPreset's.
 struct ElasticParams {
   int recent_distance = 25;  // the fixed point sits this far from the merged end
-  // Keep the instruction (the prompt text after the last image, see PromptSegments) verbatim:
+  // Keep the instruction (the prompt text after the last image, and a question placed before
+  // the image: PromptSegments::instruction and ::question) verbatim:
   // never merged, never an anchor of other entries, never evicted. Counts against the budget.
   bool protect_instruction = false;
   bool protect_system = false;  // the same for the system prompt
@@ -89,6 +90,7 @@ struct PromptSegments {
   std::vector<Span> images;  // in prompt order
   Span system;               // the system prompt's text, if any
   Span instruction;          // the last user turn's text after its images, " ASSISTANT:" included
+  Span question;             // the last user turn's text before its image (the paper's layout)
   // The segment id of every position < length for segment-scoped merging: each image is its own
   // segment, and so is each text run between images (the instruction included).
   std::vector<int> SegmentIds(int64_t length) const;

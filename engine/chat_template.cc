@@ -1,5 +1,7 @@
 #include "engine/chat_template.h"
 
+#include <algorithm>
+
 namespace llava {
 namespace {
 
@@ -14,8 +16,19 @@ class PromptBuilder {
     out_.instruction_begin = 1;
   }
   void Text(const std::string& text) { pending_ += text; }
+  // A user turn starts: its text so far is pending_ from here on.
+  void UserTurn() {
+    turn_text_ = pending_.size();
+    turn_has_image_ = false;
+    out_.question_begin = out_.question_end = 0;
+  }
   void Image() {
+    const bool question = !turn_has_image_ && turn_text_ != std::string::npos;
+    const std::string turn_text = question ? pending_.substr(turn_text_) : "";
+    const bool dummy_prefix = turn_text_ > 0 || !after_marker_;
+    turn_has_image_ = true;
     FlushText();
+    if (question) QuestionBeforeImage(turn_text, dummy_prefix);
     out_.image_offsets.push_back(static_cast<int>(out_.ids.size()));
     out_.ids.insert(out_.ids.end(), image_tokens_, image_token_id_);
     after_marker_ = true;
@@ -33,6 +46,19 @@ class PromptBuilder {
     opt.parse_special = false;
     out_.system_end = 1 + static_cast<int>(tok_.Encode(text, opt).size());
     Text(text);
+  }
+  // The turn's text before its first image (pending_ from turn_text_, now flushed), tokenized
+  // alone: its first token may differ from the run's by a merge across the boundary, as
+  // system_end's.
+  void QuestionBeforeImage(const std::string& text, bool dummy_prefix) {
+    const size_t words = text.rfind("USER: ", 0) == 0 ? 6 : 0;
+    if (text.find_first_not_of(" \n", words) == std::string::npos) return;  // "USER: " only
+    Tokenizer::EncodeOptions opt;
+    opt.dummy_prefix = dummy_prefix;
+    opt.parse_special = false;
+    const int n = static_cast<int>(tok_.Encode(text, opt).size());
+    out_.question_end = static_cast<int>(out_.ids.size());
+    out_.question_begin = std::max(1, out_.question_end - n);
   }
   PromptTokens Finish() {
     FlushText();
@@ -59,6 +85,8 @@ class PromptBuilder {
   PromptTokens out_;
   std::string pending_;
   bool after_marker_ = false;
+  size_t turn_text_ = std::string::npos;  // where the current user turn starts in pending_
+  bool turn_has_image_ = false;
 };
 
 }  // namespace
@@ -101,11 +129,19 @@ StatusOr<PromptTokens> BuildPrompt(const Tokenizer& tokenizer,
       continue;
     }
     if (m.role == "user") {
+      b.UserTurn();
       b.Text("USER: ");
-      // Images first, each followed by a newline, then the text (as llava-hf's template).
+      // The parts in their order: an image is followed by a newline, and so is text directly
+      // before an image; consecutive text parts are joined by a space. Image-first gives
+      // llava-hf's "<image>\n{question} "; question-first the paper's "{question}\n<image>\n ".
+      bool text_before = false;
       for (size_t j = 0; j < m.content.size(); ++j) {
         const auto& part = m.content[j];
-        if (part.kind != ContentPart::Kind::kImage) continue;
+        if (part.kind == ContentPart::Kind::kText) {
+          b.Text((text_before ? " " : "") + part.text);
+          text_before = true;
+          continue;
+        }
         if (part.image_index < 0 || part.image_index >= num_images) {
           return InvalidArgument(field + ".content[" + std::to_string(j) +
                                  "] refers to a missing image");
@@ -114,14 +150,12 @@ StatusOr<PromptTokens> BuildPrompt(const Tokenizer& tokenizer,
           return InvalidArgument(field + ".content[" + std::to_string(j) + "] repeats an image");
         }
         used[part.image_index] = true;
+        if (text_before) b.Text("\n");
         b.Image();
         b.Text("\n");
+        text_before = false;
       }
-      std::string text;
-      for (const auto& part : m.content) {
-        if (part.kind == ContentPart::Kind::kText) text += (text.empty() ? "" : " ") + part.text;
-      }
-      b.Text(text + " ");
+      b.Text(" ");
     } else {
       if (i == messages.size() - 1) {
         return InvalidArgument(field + ".role: the last message must be from the user");

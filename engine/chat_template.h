@@ -2,6 +2,9 @@
 //
 //   [system + " "] "USER: " <image>"\n" ... text " ASSISTANT:" [" " answer "</s>" "USER: " ...]
 //
+// A user turn's parts keep their order: a question before its image gives the paper's layout,
+// "USER: " text "\n" <image> "\n" " ASSISTANT:".
+//
 // Each <image> expands to `image_tokens` copies of the image token id; the model replaces those
 // rows with the image's projected features.
 #pragma once
@@ -36,7 +39,17 @@ struct PromptTokens {
   int instruction_begin = 0;
   // The system prompt: [1, system_end), counted as its text tokenized alone (0: none).
   int system_end = 0;
+  // The question before the image (the paper's layout): [question_begin, question_end), the last
+  // user turn's text before its first image, "USER: " included, counted as that text tokenized
+  // alone; empty (0, 0) when the turn starts with its image or has none.
+  int question_begin = 0, question_end = 0;
 };
+
+// The system prompt of LLaVA-1.5's `llava_v1` conversation, the one the Elastic Cache paper
+// evaluated with (llava-eval --layout paper).
+inline constexpr const char* kLlavaV1SystemPrompt =
+    "A chat between a curious human and an artificial intelligence assistant. The assistant "
+    "gives helpful, detailed, and polite answers to the human's questions.";
 
 struct PromptLimits {
   int max_messages = 64;

@@ -5,8 +5,13 @@
 namespace llava {
 namespace {
 
-void AddSpan(const PromptSegments::Span& s, int64_t t, std::vector<bool>* mark) {
-  for (int64_t i = std::max<int64_t>(0, s.begin); i < std::min(s.end, t); ++i) (*mark)[i] = true;
+// Marks the span's last positions (< t), at most *room of them, and takes them from *room.
+void AddSpan(const PromptSegments::Span& s, int64_t t, int64_t* room, std::vector<bool>* mark) {
+  const int64_t begin = std::max<int64_t>(0, s.begin);
+  for (int64_t i = std::min(s.end, t) - 1; i >= begin && *room > 0; --i) {
+    if (!(*mark)[i]) --*room;
+    (*mark)[i] = true;
+  }
 }
 
 // Invariant after PlanPrompt: every layer's `pinned_` is aligned with its entries.
@@ -92,9 +97,16 @@ class ElasticPolicy final : public KvPolicy {
 std::vector<int64_t> ElasticPinned(const CacheParams& params, const PromptSegments& segments,
                                    int64_t t) {
   std::vector<bool> mark(t, false);
-  for (int64_t i = 0; i < std::min<int64_t>(params.sinks(), t); ++i) mark[i] = true;
-  if (params.elastic.protect_instruction) AddSpan(segments.instruction, t, &mark);
-  if (params.elastic.protect_system) AddSpan(segments.system, t, &mark);
+  const int64_t sinks = std::min<int64_t>(params.sinks(), t);
+  for (int64_t i = 0; i < sinks; ++i) mark[i] = true;
+  // The protected spans share half of the budget's entries, in this order and each from its
+  // end: a long system prompt must not take the whole budget from the image.
+  int64_t room = std::max<int64_t>(0, EntryTarget(params.budget, t, 0) / 2 - sinks);
+  if (params.elastic.protect_instruction) {
+    AddSpan(segments.instruction, t, &room, &mark);
+    AddSpan(segments.question, t, &room, &mark);
+  }
+  if (params.elastic.protect_system) AddSpan(segments.system, t, &room, &mark);
   std::vector<int64_t> out;
   for (int64_t i = 0; i < t; ++i) {
     if (mark[i]) out.push_back(i);

@@ -63,6 +63,7 @@ StatusOr<PreparedRequest> Generator::Prepare(const GenerationRequest& req, int64
   }
   out.segments.instruction = {out.prompt.instruction_begin, prompt_tokens};
   if (out.prompt.system_end > 0) out.segments.system = {1, out.prompt.system_end};
+  out.segments.question = {out.prompt.question_begin, out.prompt.question_end};
   if (limits_.max_prompt_tokens > 0 && prompt_tokens > limits_.max_prompt_tokens) {
     return InvalidArgument("messages: the prompt has " + std::to_string(prompt_tokens) +
                            " tokens (image rows included), more than this server's limit of " +

@@ -204,10 +204,29 @@ TEST(ElasticPinned, SinksAndTheProtectedSpans) {
   PromptSegments s = TwelveTokenPrompt();
   s.system = {1, 2};
   EXPECT_EQ(ElasticPinned(Elastic(0.5), s, 12), (std::vector<int64_t>{0}));  // paper: sinks
-  CacheParams p = Product(0.5);
+  // Budget 1: 12 entries, half of them (6) for the sink and the spans: all fit.
+  CacheParams p = Product(1.0);
   EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 1, 8, 9, 10, 11}));
   p.elastic.protect_system = false;
   EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 8, 9, 10, 11}));
+  // Budget 0.5: 6 entries, 3 pinned at most: the sink and the instruction's last two.
+  EXPECT_EQ(ElasticPinned(Product(0.5), s, 12), (std::vector<int64_t>{0, 10, 11}));
+
+  // The paper's layout: a question before the image is kept after the instruction, then the
+  // system prompt, each from its end, within half of the budget.
+  PromptSegments paper;
+  paper.system = {1, 3};
+  paper.question = {3, 6};
+  paper.images = {{6, 20}};
+  paper.instruction = {20, 24};
+  EXPECT_EQ(ElasticPinned(Product(1.0), paper, 24),
+            (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 20, 21, 22, 23}));
+  // 0.75: 18 entries, 9 pinned: the instruction, the question, the system prompt's end.
+  EXPECT_EQ(ElasticPinned(Product(0.75), paper, 24),
+            (std::vector<int64_t>{0, 2, 3, 4, 5, 20, 21, 22, 23}));
+  // 0.5: 12 entries, 6 pinned: the instruction and the question's last token.
+  EXPECT_EQ(ElasticPinned(Product(0.5), paper, 24), (std::vector<int64_t>{0, 5, 20, 21, 22, 23}));
+  EXPECT_EQ(ElasticPinned(Elastic(0.5), paper, 24), (std::vector<int64_t>{0}));
 }
 
 // Column sums [T = 6] of every prompt query and of the instruction's (rows 4 and 5).
@@ -225,18 +244,21 @@ TEST(ElasticImportance, EachModeDividesByTheQueriesThatWereSummed) {
             (std::vector<float>{3, 2.5f, 2, 1.5f, 1.5f, 1.5f}));
 }
 
-// K = 6 of 12: pinned {0, 8, 9, 10, 11} leave one anchor, the most important unpinned
-// position (5). Segment scope merges the other image rows into it and drops "USER:" (1), whose
-// text run has no anchor; the paper's nearest scope would have merged it too.
+// K = 6 of 12 (image rows 2-7, text 8-11, the instruction 10-11): pinned {0, 10, 11} leave three
+// anchors, the most important unpinned positions (5, 8, 6). Segment scope merges image rows
+// into image anchors and drops "USER:" (1), whose text run has no anchor; the paper's nearest
+// scope would have merged it into the image.
 TEST(ElasticMerge, ProductKeepsTheInstructionAndMergesWithinTheImage) {
-  const std::vector<float> imp = {9, 0.5f, 0.1f, 0.2f, 0.3f, 0.9f, 0.4f, 0.1f, 0, 0, 0, 0};
-  const PromptSegments s = TwelveTokenPrompt();
+  const std::vector<float> imp = {9, 0.05f, 0.1f, 0.2f, 0.3f, 0.9f, 0.4f, 0.1f, 0.6f, 0.05f, 0, 0};
+  PromptSegments s;
+  s.images = {{2, 8}};
+  s.instruction = {10, 12};
   CacheParams p = Product(0.5);
   p.elastic.weighted_merge = false;
   MergePlan plan = PlanElasticMerge(imp, p, s);
-  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 5, 8, 9, 10, 11}));
-  EXPECT_EQ(plan.pinned, (std::vector<bool>{true, false, true, true, true, true}));
-  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, -1, 1, 1, 1, 1, 1, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 5, 6, 8, 10, 11}));
+  EXPECT_EQ(plan.pinned, (std::vector<bool>{true, false, false, false, true, true}));
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, -1, 1, 1, 1, 1, 2, 2, 3, 3, 4, 5}));
   EXPECT_EQ(plan.merged, 5);
   EXPECT_EQ(plan.dropped, 1);
   EXPECT_TRUE(plan.weight.empty());
@@ -254,12 +276,20 @@ TEST(ElasticMerge, ProductKeepsTheInstructionAndMergesWithinTheImage) {
   EXPECT_FLOAT_EQ(plan.weight[2], 0.1f + 1e-6f);
 }
 
-// Protected entries above the budget: everything pinned survives, no anchors.
-TEST(ElasticMerge, PinnedEntriesCountAgainstTheBudgetButAlwaysSurvive) {
-  const std::vector<float> imp(12, 1.f);
-  MergePlan plan = PlanElasticMerge(imp, Product(0.2), TwelveTokenPrompt());  // ceil(2.4) = 3
-  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 8, 9, 10, 11}));
-  EXPECT_EQ(plan.dropped, 7);
+// The protected spans get half of the budget: at 0.2 (ceil(2.4) = 3 entries) only the sink is
+// pinned, and the plan keeps exactly the budget.
+TEST(ElasticMerge, ProtectedSpansNeverTakeTheWholeBudget) {
+  const std::vector<float> imp = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2};
+  MergePlan plan = PlanElasticMerge(imp, Product(0.2), TwelveTokenPrompt());
+  EXPECT_EQ(plan.kept.size(), 3u);
+  EXPECT_EQ(std::count(plan.pinned.begin(), plan.pinned.end(), true), 1);
+  EXPECT_EQ(plan.kept.front(), 0);
+  // At 0.8 (10 entries, 5 pinned) the sink and the whole 4-token instruction are.
+  plan = PlanElasticMerge(imp, Product(0.8), TwelveTokenPrompt());
+  EXPECT_EQ(plan.kept.size(), 10u);
+  EXPECT_EQ(std::vector<int64_t>(plan.kept.end() - 4, plan.kept.end()),
+            (std::vector<int64_t>{8, 9, 10, 11}));
+  EXPECT_EQ(std::count(plan.pinned.begin(), plan.pinned.end(), true), 5);
 }
 
 TEST(ElasticVictim, SkipsPinnedEntriesAndTheNewest) {

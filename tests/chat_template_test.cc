@@ -46,6 +46,31 @@ TEST_F(ChatTemplateTest, SingleTurnWithImage) {
   EXPECT_EQ(p->text_tokens, static_cast<int>(expected.size()) - 5);
   EXPECT_EQ(p->instruction_begin, offset + 5);  // the text after the image
   EXPECT_EQ(p->system_end, 0);
+  EXPECT_EQ(p->question_begin, 0);  // no question before the image
+  EXPECT_EQ(p->question_end, 0);
+}
+
+// The paper's layout: "{system} USER: {question}\n<image>\n ASSISTANT:", the parts in their order.
+TEST_F(ChatTemplateTest, QuestionBeforeImageKeepsTheOrder) {
+  std::vector<ChatMessage> msgs = {
+      {"system", {{Kind::kText, "Be brief.", 0}}},
+      {"user", {{Kind::kText, "What is this?", 0}, {Kind::kImage, "", 0}}}};
+  auto p = BuildPrompt(*tok_, msgs, 1, image_id_, 5);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  std::vector<int> expected = {tok_->bos_id()};
+  Append(&expected, Enc("Be brief. USER: What is this?\n", true));
+  const int offset = static_cast<int>(expected.size());
+  expected.insert(expected.end(), 5, image_id_);
+  Append(&expected, Enc("\n ASSISTANT:", false));
+  EXPECT_EQ(p->ids, expected);
+  EXPECT_EQ(p->image_offsets, std::vector<int>{offset});
+  EXPECT_EQ(p->instruction_begin, offset + 5);  // only " ASSISTANT:" follows the image
+  // The question before the image: "USER: What is this?\n", the system prompt's run cut off.
+  const std::vector<int> question = Enc("USER: What is this?\n", true);
+  EXPECT_EQ(p->question_end, offset);
+  ASSERT_EQ(p->question_begin, offset - static_cast<int>(question.size()));
+  EXPECT_EQ(std::vector<int>(p->ids.begin() + p->question_begin, p->ids.begin() + offset),
+            question);
 }
 
 // "{system} USER: q1 ASSISTANT: a1</s>USER: q2 ASSISTANT:"

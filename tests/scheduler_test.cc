@@ -36,8 +36,13 @@ TEST(SteadyEntries, CountsTheProtectedInstruction) {
   PromptSegments segments;
   segments.images = {{5, 570}};
   segments.instruction = {570, 600};
-  EXPECT_EQ(SteadyEntries(600, 200, Kv(CachePolicy::kElastic, 0.02), segments), 32);
+  // 0.02: the pins get half of ceil(0.02 * 600) = 12, so they never exceed the budget.
+  EXPECT_EQ(SteadyEntries(600, 200, Kv(CachePolicy::kElastic, 0.02), segments), 16);
   EXPECT_EQ(SteadyEntries(600, 200, Kv(CachePolicy::kElastic, 0.2), segments), 160);
+  // Sinks beyond the budget do: 40 sinks at ceil(0.02 * 800) = 16.
+  CacheParams sinks = Kv(CachePolicy::kElastic, 0.02);
+  sinks.sink_tokens = 40;
+  EXPECT_EQ(SteadyEntries(600, 200, sinks, segments), 41);  // + the newest entry
   CacheParams paper = Kv(CachePolicy::kElastic, 0.02);
   paper.elastic = ElasticPreset(ElasticVariant::kPaper);
   EXPECT_EQ(SteadyEntries(600, 200, paper, segments), 16);  // ceil(0.02 * 800)

@@ -254,6 +254,31 @@ TEST(ShapesWorld, NamedObjectsAreTheOnesTheQuestionRefersTo) {
   EXPECT_EQ(PatchOwners(two, 96, 12), top_alone);
 }
 
+// Paraphrases reword every template (or keep it) without changing what the question names.
+TEST(ShapesWorld, ParaphrasesKeepWhatTheQuestionNames) {
+  Rng rng(7);
+  std::set<std::string> rewordings;
+  int reworded = 0, questions = 0;
+  for (int i = 0; i < 200; ++i) {
+    Scene s = SampleScene(rng);
+    for (int k = 0; k < kNumQuestionKinds; ++k) {
+      std::optional<QA> qa = AskQuestionOfKind(s, rng, static_cast<QuestionKind>(k));
+      if (!qa) continue;
+      ++questions;
+      const std::string p = Paraphrase(qa->question, rng);
+      EXPECT_EQ(NamedObjects(s, p), NamedObjects(s, qa->question)) << qa->question << " / " << p;
+      EXPECT_EQ(NamesAnything(p), NamesAnything(qa->question)) << qa->question << " / " << p;
+      reworded += p != qa->question;
+      rewordings.insert(p.substr(0, p.find(' ', p.find(' ') + 1)));  // the first two words
+    }
+  }
+  EXPECT_EQ(reworded, questions);  // every template has a rewording
+  EXPECT_GE(rewordings.size(), 8u) << "too few distinct openings";
+  EXPECT_EQ(Paraphrase("How many objects are there?", rng).find("objects are there?"),
+            std::string::npos);
+  EXPECT_NE(Paraphrase("Describe the image in detail.", rng), "Describe the image in detail.");
+}
+
 TEST(ShapesWorld, WeightedQuestionsDrawOnlyTheWeightedTemplates) {
   // One template at a time: every question is of it, and its answer agrees with the scene.
   for (int k = 0; k < kNumQuestionKinds; ++k) {

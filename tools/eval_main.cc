@@ -13,7 +13,9 @@
 // Dataset lines: {"image": "a.png" | "images": [..], "prompt": "question" |
 //                 "conversation": [{"role": "user", "content": "..."}, ...],
 //                 "answer": "reference answer", "short_answer": "optional"}
-// Image paths are relative to the dataset file. Images attach to the first user turn.
+// Image paths are relative to the dataset file. Images attach to the first user turn: before
+// its text (--layout image_first, llava-hf's template), or after it with LLaVA-1.5's llava_v1
+// system prompt first (--layout paper, the Elastic Cache paper's evaluation).
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
@@ -41,7 +43,10 @@ struct Sample {
   std::string prompt;  // the last question, for --items
 };
 
-llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int limit) {
+enum class Layout { kImageFirst, kPaper };
+
+llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int limit,
+                                                 Layout layout) {
   std::ifstream in(path);
   if (!in) return llava::NotFound(path + ": cannot open dataset");
   const std::string dir =
@@ -88,16 +93,21 @@ llava::StatusOr<std::vector<Sample>> LoadDataset(const std::string& path, int li
     } else {
       return llava::InvalidArgument(where + ": \"prompt\" or \"conversation\" is required");
     }
+    if (layout == Layout::kPaper) {
+      s.request.messages.push_back(
+          {"system", {{ContentPart::Kind::kText, llava::kLlavaV1SystemPrompt, 0}}});
+    }
     bool images_attached = false;
     for (const auto& [role, text] : turns) {
       llava::ChatMessage m{role, {}};
+      if (layout == Layout::kPaper) m.content.push_back({ContentPart::Kind::kText, text, 0});
       if (role == "user" && !images_attached) {
         for (size_t i = 0; i < images.size(); ++i) {
           m.content.push_back({ContentPart::Kind::kImage, "", static_cast<int>(i)});
         }
         images_attached = true;
       }
-      m.content.push_back({ContentPart::Kind::kText, text, 0});
+      if (layout == Layout::kImageFirst) m.content.push_back({ContentPart::Kind::kText, text, 0});
       s.request.messages.push_back(std::move(m));
     }
     out.push_back(std::move(s));
@@ -222,6 +232,12 @@ int main(int argc, char** argv) {
                  "reference, answer, score) to this file");
   app.add_option("--dtype", dtype, "bf16 | f32")->check(CLI::IsMember({"bf16", "f32"}));
   app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
+  std::string layout = "image_first";
+  app.add_option("--layout", layout,
+                 "prompt layout: image_first (llava-hf: <image>, then the question) or paper "
+                 "(llava_v1 system prompt, the question, then <image>)")
+      ->check(CLI::IsMember({"image_first", "paper"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   llava::InitTorchThreads(threads);
 
@@ -232,7 +248,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", loaded.status().ToString().c_str());
     return 1;
   }
-  auto samples = LoadDataset(dataset, limit);
+  auto samples =
+      LoadDataset(dataset, limit, layout == "paper" ? Layout::kPaper : Layout::kImageFirst);
   if (!samples.ok()) {
     std::fprintf(stderr, "error: %s\n", samples.status().ToString().c_str());
     return 1;

@@ -23,6 +23,10 @@ int main(int argc, char** argv) {
   app.add_option("--image", image_paths, "image file (repeatable)");
   app.add_option("--prompt", prompt, "the question")->required();
   app.add_option("--system", system_prompt, "optional system prompt");
+  bool question_first = false;
+  app.add_flag("--question-first", question_first,
+               "the question before the image (the paper's layout; with --system llava_v1 for "
+               "LLaVA-1.5's system prompt)");
   app.add_option("--max-tokens", sp.max_tokens, "tokens to generate at most")
       ->capture_default_str();
   app.add_option("--temperature", sp.temperature, "0 = greedy")->capture_default_str();
@@ -74,10 +78,12 @@ int main(int argc, char** argv) {
   }
   req.kv_cache = *parsed;
   if (recent_distance > 0) req.kv_cache.elastic.recent_distance = recent_distance;
+  if (system_prompt == "llava_v1") system_prompt = llava::kLlavaV1SystemPrompt;
   if (!system_prompt.empty()) {
     req.messages.push_back({"system", {{llava::ContentPart::Kind::kText, system_prompt, 0}}});
   }
   llava::ChatMessage user{"user", {}};
+  if (question_first) user.content.push_back({llava::ContentPart::Kind::kText, prompt, 0});
   for (size_t i = 0; i < image_paths.size(); ++i) {
     std::string bytes;
     if (!llava::ReadFileToString(image_paths[i], &bytes)) {
@@ -87,7 +93,7 @@ int main(int argc, char** argv) {
     req.images.push_back(std::move(bytes));
     user.content.push_back({llava::ContentPart::Kind::kImage, "", static_cast<int>(i)});
   }
-  user.content.push_back({llava::ContentPart::Kind::kText, prompt, 0});
+  if (!question_first) user.content.push_back({llava::ContentPart::Kind::kText, prompt, 0});
   req.messages.push_back(std::move(user));
 
   llava::Generator generator(**loaded, llava::EngineLimits{});

@@ -518,6 +518,37 @@ QA DescribeByColour(const Scene& s) {
   return {"describe-by-colour", "List the objects by color.", text + "."};
 }
 
+std::string Paraphrase(const std::string& question, Rng& rng) {
+  struct Rewording {
+    const char* from;
+    const char* to;
+  };
+  static constexpr Rewording kRewordings[] = {
+      {"objects are there?", "shapes are there?"},
+      {"objects are there?", "objects are in the image?"},
+      {" are there?", " can you see?"},
+      {"What color is", "What colour is"},
+      {"What color is", "Which color is"},
+      {"What shape is the ", "Which shape is the "},
+      {" object?", " shape?"},
+      {"What is ", "What can you see "},
+      {"Is there ", "Do you see "},
+      {"Which is larger, ", "Which one is bigger, "},
+      {"Where is the ", "In which part of the image is the "},
+      {"Describe the image in detail.", "Describe this picture in detail."},
+      {"Describe the image in detail.", "Give a detailed description of the image."},
+  };
+  std::vector<const Rewording*> fits;
+  for (const Rewording& r : kRewordings) {
+    if (question.find(r.from) != std::string::npos) fits.push_back(&r);
+  }
+  if (fits.empty()) return question;
+  const Rewording& r = *fits[rng.Uniform(static_cast<int>(fits.size()))];
+  std::string out = question;
+  out.replace(out.find(r.from), std::string(r.from).size(), r.to);
+  return out;
+}
+
 std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, const ConversationMix& mix) {
   const double p_describe = mix.describe, p_subset = mix.subset, p_grouped = mix.grouped;
   const double r = rng.Real();

@@ -125,6 +125,12 @@ std::vector<int> ObjectPatches(const Object& o, int size, int grid);
 // order, so it is on top), or -1 for the background.
 std::vector<int> PatchOwners(const Scene& s, int size, int grid);
 
+// Another wording of a question of this world (training only; the held-out split keeps the
+// templates): "How many shapes are there?" for "How many objects are there?", "Do you see a red
+// circle?" for "Is there a red circle?", ... Every colour, shape and cell word is kept, so the
+// answer and NamedObjects stay the same. The question itself when no rewording applies.
+std::string Paraphrase(const std::string& question, Rng& rng);
+
 // What a training conversation is made of (the defaults are the held-out split's).
 struct ConversationMix {
   double describe = 0.5;                     // the description alone

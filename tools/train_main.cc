@@ -68,6 +68,10 @@ struct DataMix {
   bool absent_to_bos = false;  // --attn-absent: nothing named is there -> all on <s>
   bool per_object = false;     // --attn-count: <s> and each named object an equal share
   bool patch_labels = false;   // --patch-weight: label every image patch (Example::patch_*)
+  // --paper-layout: this share of conversations in the Elastic Cache paper's layout (llava_v1
+  // system prompt, the first question before the image); the others image-first.
+  double paper_layout = 0;
+  double paraphrase = 0;  // --paraphrase: each question reworded with this probability
 };
 
 // Builds the token ids of a whole conversation and marks the answer tokens. The template is
@@ -75,23 +79,34 @@ struct DataMix {
 // and turn i's answer runs from there to its </s>.
 bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
                   const llava::shapes::Scene& scene, const std::vector<QA>& turns,
-                  const DataMix& mix, Example* ex) {
+                  const DataMix& mix, bool paper_layout, Example* ex) {
+  using Kind = llava::ContentPart::Kind;
   std::vector<llava::ChatMessage> messages;
+  if (paper_layout) messages.push_back({"system", {{Kind::kText, llava::kLlavaV1SystemPrompt, 0}}});
   std::vector<size_t> answer_starts;
+  std::vector<std::vector<int>> prefixes;
   for (size_t i = 0; i < turns.size(); ++i) {
     llava::ChatMessage user{"user", {}};
-    if (i == 0) user.content.push_back({llava::ContentPart::Kind::kImage, "", 0});
-    user.content.push_back({llava::ContentPart::Kind::kText, turns[i].question, 0});
+    if (paper_layout) user.content.push_back({Kind::kText, turns[i].question, 0});
+    if (i == 0) user.content.push_back({Kind::kImage, "", 0});
+    if (!paper_layout) user.content.push_back({Kind::kText, turns[i].question, 0});
     messages.push_back(user);
     auto prefix =
         llava::BuildPrompt(tok, messages, 1, config.image_token_index, config.image_tokens());
     if (!prefix.ok()) return false;
     answer_starts.push_back(prefix->ids.size());
+    prefixes.push_back(std::move(prefix->ids));
     messages.push_back({"assistant", {{llava::ContentPart::Kind::kText, turns[i].answer, 0}}});
   }
   messages.push_back({"user", {{llava::ContentPart::Kind::kText, "-", 0}}});
   auto all = llava::BuildPrompt(tok, messages, 1, config.image_token_index, config.image_tokens());
   if (!all.ok()) return false;
+  for (size_t i = 0; i < prefixes.size(); ++i) {  // the labels below rely on it
+    if (!std::equal(prefixes[i].begin(), prefixes[i].end(), all->ids.begin())) {
+      std::fprintf(stderr, "BuildExample: turn %zu's prompt is not a prefix\n", i);
+      std::abort();
+    }
+  }
   ex->labels.assign(all->ids.size(), kIgnore);
   size_t end = 0;
   for (size_t start : answer_starts) {
@@ -149,8 +164,14 @@ Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& confi
     Rng rng(Mix(seed ^ kSceneStream, static_cast<uint64_t>(step) * 64 + b, attempt));
     llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
     std::vector<QA> turns = llava::shapes::SampleConversation(scene, rng, mix.conversation);
+    if (mix.paraphrase > 0) {
+      for (QA& qa : turns) {
+        if (rng.Chance(mix.paraphrase)) qa.question = llava::shapes::Paraphrase(qa.question, rng);
+      }
+    }
+    const bool paper_layout = mix.paper_layout > 0 && rng.Chance(mix.paper_layout);
     Example ex;
-    if (!BuildExample(tok, config, scene, turns, mix, &ex)) continue;
+    if (!BuildExample(tok, config, scene, turns, mix, paper_layout, &ex)) continue;
     llava::RgbImage img;
     img.width = img.height = config.vision.image_size;
     img.pixels = llava::shapes::RenderScene(scene, img.width, rng.Next());
@@ -306,6 +327,15 @@ int main(int argc, char** argv) {
                  "how often each question template is drawn, e.g. \"position=0.5,count_colour=2\" "
                  "(templates not named keep the held-out split's 1, or 2/3 for each of "
                  "count_all, count_shape, count_colour; empty = the held-out draws)");
+  app.add_option("--paper-layout", mix.paper_layout,
+                 "share of conversations in the paper's layout (llava_v1 system prompt, the "
+                 "question before the image; llava-eval --layout paper)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--paraphrase", mix.paraphrase,
+                 "probability that a question is reworded (shapes_world.h Paraphrase)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   app.add_option("--attn-weight", attn_weight,
                  "weight of the attention supervision: head 0 of --attn-layers attends from each "
                  "short answer to the objects its question names (0 = off)")
