@@ -48,7 +48,8 @@ struct ElasticParams {
   int recent_distance = 25;  // the fixed point sits this far from the merged end
   // Keep the instruction (the prompt text after the last image, and a question placed before
   // the image: PromptSegments::instruction and ::question) verbatim:
-  // never merged, never an anchor of other entries, never evicted. Counts against the budget.
+  // never merged, never an anchor of other entries, never evicted. Counts against the budget,
+  // of which the protected spans take at most half (ElasticPinned).
   bool protect_instruction = false;
   bool protect_system = false;  // the same for the system prompt
   ImportanceMode importance = ImportanceMode::kSum;
