@@ -50,15 +50,15 @@ train: build
 # Writes $(BUILD)/shapes-llava-layouts2 from $(INIT), by default `make train`'s output.
 INIT ?= $(BUILD)/shapes-llava
 LAYOUT_WEIGHTS := colour=2,shape=2,count_all=0.25,count_shape=2,count_colour=1.5,position=3,exists=1.25,larger=3,where=1.25
+LAYOUT_FLAGS := --batch 16 --attn-weight 0.2 --attn-absent true --describe-prob 0.35 \
+  --min-questions 6 --max-questions 12 --paraphrase 0.3
 train-layouts: build
-	./$(BUILD)/llava-train --init $(INIT) --out $(BUILD)/shapes-llava-layouts --seed 9 \
-	  --steps 1100 --batch 16 --warmup 50 --lr 1.5e-4 --attn-weight 0.2 --attn-absent true \
-	  --max-minutes 25 --describe-prob 0.35 --min-questions 6 --max-questions 12 \
-	  --question-weights $(QUESTION_WEIGHTS) --paper-layout 0.5 --paraphrase 0.3
+	./$(BUILD)/llava-train --init $(INIT) --out $(BUILD)/shapes-llava-layouts $(LAYOUT_FLAGS) \
+	  --seed 9 --steps 1100 --warmup 50 --lr 1.5e-4 --max-minutes 25 \
+	  --question-weights $(QUESTION_WEIGHTS) --paper-layout 0.5
 	./$(BUILD)/llava-train --init $(BUILD)/shapes-llava-layouts --out $(BUILD)/shapes-llava-layouts2 \
-	  --seed 10 --steps 650 --batch 16 --warmup 30 --lr 1e-4 --attn-weight 0.2 \
-	  --attn-absent true --max-minutes 16 --describe-prob 0.35 --min-questions 6 \
-	  --max-questions 12 --question-weights $(LAYOUT_WEIGHTS) --paper-layout 0.7 --paraphrase 0.3
+	  $(LAYOUT_FLAGS) --seed 10 --steps 650 --warmup 30 --lr 1e-4 --max-minutes 16 \
+	  --question-weights $(LAYOUT_WEIGHTS) --paper-layout 0.7
 
 # The quality table of docs/POLICIES.md: every policy x budget on the held-out split.
 eval-default: build
