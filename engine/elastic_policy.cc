@@ -36,13 +36,14 @@ class ElasticPolicy final : public KvPolicy {
 
   bool WantsScores(bool prefilled) const override { return !prefilled || scored_; }
   int64_t ScoreSplitRow() const override { return segments_.instruction.begin; }
+  bool ScoresBeforeSplit() const override { return !instruction_only(); }
   void AddScores(int layer, int64_t first_row, const float* col, int64_t len) override {
     auto add = [&](std::vector<float>& s) {
       s.resize(std::max<int64_t>(len, s.size()), 0.f);
       for (int64_t j = 0; j < len; ++j) s[j] += col[j];
     };
     if (prefilled_) return add(decode_scores_[layer]);
-    add(sums_[layer]);
+    if (!instruction_only()) add(sums_[layer]);
     if (first_row >= segments_.instruction.begin) add(instruction_sums_[layer]);
   }
 
@@ -79,6 +80,11 @@ class ElasticPolicy final : public KvPolicy {
   }
 
  private:
+  // Importance from the instruction's queries alone: the other prompt rows' sums are not needed.
+  bool instruction_only() const {
+    return params_.elastic.importance == ImportanceMode::kInstruction;
+  }
+
   const CacheParams params_;
   const PromptSegments segments_;
   const bool scored_ = params_.elastic.eviction == DecodeEviction::kScored;

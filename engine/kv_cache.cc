@@ -172,7 +172,7 @@ class CompressingKvCache final : public KvCache {
     const int64_t first = rows_seen_[layer];
     rows_seen_[layer] += rows;
     const int64_t split = std::clamp<int64_t>(policy_->ScoreSplitRow() - first, 0, rows);
-    if (split > 0) add(first, 0, split);
+    if (split > 0 && policy_->ScoresBeforeSplit()) add(first, 0, split);
     if (split < rows) add(first + split, split, rows - split);
   }
 

@@ -48,6 +48,9 @@ class KvPolicy {
   // Blocks of prompt query rows handed to AddScores never straddle this row, so a policy can
   // tell the instruction's queries from the others.
   virtual int64_t ScoreSplitRow() const { return 0; }
+  // False when prompt rows before ScoreSplitRow() would be ignored: the cache then skips their
+  // column sums (the prefill's largest share of a policy's cost).
+  virtual bool ScoresBeforeSplit() const { return true; }
   // `column_sums` [len]: attention each of the layer's `len` entries received from a block of
   // query rows starting at prompt position `first_row` (-1: a decode row), summed over the rows
   // and averaged over heads.
