@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "engine/cpu_features.h"
 #include "engine/cpu_gemv.h"
 #include "engine/decode_attention.h"
 #include "engine/generator.h"
@@ -260,7 +261,7 @@ double Bf16PeakGflops(int threads) {
 // GFLOP/s of one bf16 matrix product y = x W^T, [m, k] x [n, k]: libtorch's at::linear
 // (oneDNN) against llava::Linear (engine/cpu_gemv.h on an AVX512-BF16 CPU). Medians of reps.
 void MatmulSuite(int reps, int threads) {
-  if (llava::CpuHasBf16Gemv()) {
+  if (llava::CpuPathAtLeast(llava::CpuPath::kAvx512Bf16)) {
     std::vector<double> one, all;
     for (int r = 0; r < 3; ++r) {
       one.push_back(Bf16PeakGflops(1));
@@ -371,6 +372,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   threads = llava::InitTorchThreads(threads);
   at::manual_seed(0);
+  std::printf("cpu_path=%s detected=%s\n", llava::CpuPathName(llava::ActiveCpuPath()),
+              llava::CpuPathName(llava::DetectedCpuPath()));
 
   if (suite == "attention") {
     for (int b : batches) AttentionSuite(std::max(3, reps), b, context, layers);

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "engine/avx512_reduce.h"
 
@@ -115,34 +117,141 @@ void Skinny(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t
   return SkinnyR<M, kShort>(x, w, bias, y, n, k);
 }
 
-}  // namespace
-
-bool CpuHasBf16Gemv() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
-void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t m,
-              int64_t n, int64_t k) {
+// f(std::integral_constant<int, m>) for the row count m in [1, kGemvMaxRows]: one kernel
+// instance per row count, so each keeps its accumulators in registers.
+template <typename F>
+void ForRows(int64_t m, F&& f) {
+  static_assert(kGemvMaxRows == 8, "one case per row count");
   switch (m) {
     case 1:
-      return Skinny<1>(x, w, bias, y, n, k);
+      return f(std::integral_constant<int, 1>{});
     case 2:
-      return Skinny<2>(x, w, bias, y, n, k);
+      return f(std::integral_constant<int, 2>{});
     case 3:
-      return Skinny<3>(x, w, bias, y, n, k);
+      return f(std::integral_constant<int, 3>{});
     case 4:
-      return Skinny<4>(x, w, bias, y, n, k);
+      return f(std::integral_constant<int, 4>{});
     case 5:
-      return Skinny<5>(x, w, bias, y, n, k);
+      return f(std::integral_constant<int, 5>{});
     case 6:
-      return Skinny<6>(x, w, bias, y, n, k);
+      return f(std::integral_constant<int, 6>{});
     case 7:
-      return Skinny<7>(x, w, bias, y, n, k);
+      return f(std::integral_constant<int, 7>{});
     default:
-      return Skinny<8>(x, w, bias, y, n, k);
+      return f(std::integral_constant<int, 8>{});
   }
+}
+
+// ---- AVX2 + FMA (and AVX-512 CPUs without BF16): bf16 -> fp32 in registers ----
+
+// 8 bf16 values widened to fp32 (exact: a bf16 is the top half of a float).
+__attribute__((target("avx2,fma"))) inline __m256 Load8Bf16(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+__attribute__((target("avx2,fma"))) inline float Sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The bf16 bit pattern nearest to f (ties to even; finite values).
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Outputs [r0, r0 + R) of M rows of x, with x already in fp32 (xf [M, k]): R x M accumulators
+// of 8 lanes (R * M <= 12 of the 16 ymm registers); each weight vector is widened once and
+// feeds M FMAs whose x operand comes straight from memory (L1/L2).
+template <int M, int R>
+__attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const uint16_t* w,
+                                                         const uint16_t* bias, uint16_t* y,
+                                                         int64_t n, int64_t k, int64_t r0) {
+  __m256 acc[R][M];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) acc[r][i] = _mm256_setzero_ps();
+  }
+  const uint16_t* wr = w + r0 * k;
+  const int64_t k8 = k - k % 8;
+  for (int64_t kk = 0; kk < k8; kk += 8) {
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + r * k + kk + 1024), _MM_HINT_T1);
+      const __m256 wv = Load8Bf16(wr + r * k + kk);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + i * k + kk), wv, acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < M; ++i) {
+      float s = Sum8(acc[r][i]);
+      for (int64_t kk = k8; kk < k; ++kk) s += xf[i * k + kk] * Bf16ToFloat(wr[r * k + kk]);
+      if (bias != nullptr) s += Bf16ToFloat(bias[r0 + r]);
+      y[i * n + r0 + r] = FloatToBf16(s);
+    }
+  }
+}
+
+// R: 8 weight rows for one x row (decode at batch 1 is bound by streaming them), fewer as
+// rows are added so that R * M accumulators stay in registers.
+template <int M>
+void SkinnyAvx2(const float* xf, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n,
+                int64_t k) {
+  constexpr int R = M == 1 ? 8 : M == 2 ? 6 : M == 3 ? 4 : M == 4 ? 3 : M <= 6 ? 2 : 1;
+  const int64_t blocks = (n + R - 1) / R;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    const int64_t n1 = std::min(n, b1 * R);
+    int64_t r0 = b0 * R;
+    for (; r0 + R <= n1; r0 += R) TileAvx2<M, R>(xf, w, bias, y, n, k, r0);
+    for (; r0 < n1; ++r0) TileAvx2<M, 1>(xf, w, bias, y, n, k, r0);
+  });
+}
+
+void Bf16GemvAvx2(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                  int64_t m, int64_t n, int64_t k) {
+  std::vector<float> xf(static_cast<size_t>(m * k));
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = Bf16ToFloat(x[i]);
+  ForRows(m, [&](auto rows) { SkinnyAvx2<rows.value>(xf.data(), w, bias, y, n, k); });
+}
+
+// ---- Portable: plain loops (baseline x86-64 or any other CPU) ----
+
+void Bf16GemvGeneric(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                     int64_t m, int64_t n, int64_t k) {
+  std::vector<float> xf(static_cast<size_t>(m * k));
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = Bf16ToFloat(x[i]);
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int64_t r = n0; r < n1; ++r) {
+      for (int64_t j = 0; j < k; ++j) row[j] = Bf16ToFloat(w[r * k + j]);
+      for (int64_t i = 0; i < m; ++i) {
+        const float* xi = xf.data() + i * k;
+        float s = 0.f;
+        for (int64_t j = 0; j < k; ++j) s += xi[j] * row[j];
+        if (bias != nullptr) s += Bf16ToFloat(bias[r]);
+        y[i * n + r] = FloatToBf16(s);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t m,
+              int64_t n, int64_t k, CpuPath path) {
+  path = ClampCpuPath(path, DetectedCpuPath());
+  if (path == CpuPath::kGeneric) return Bf16GemvGeneric(x, w, bias, y, m, n, k);
+  if (path != CpuPath::kAvx512Bf16) return Bf16GemvAvx2(x, w, bias, y, m, n, k);
+  ForRows(m, [&](auto rows) { Skinny<rows.value>(x, w, bias, y, n, k); });
 }
 
 }  // namespace llava

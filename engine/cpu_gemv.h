@@ -1,14 +1,17 @@
-// Skinny bf16 matrix products for decoding on x86 CPUs with AVX512-BF16: y = x W^T (+ b) for
-// up to 8 rows of x. Decoding is bound by streaming the weights, and oneDNN's bf16 GEMV in
-// libtorch 1.13 streams them at about two thirds of the memory bandwidth; this kernel reads
-// each weight row once for all rows of x, with several weight rows in flight per thread.
-// Prefill stays with oneDNN, which runs at the CPU's bf16 peak there (llava-bench --suite
-// matmul; a tiled version of this kernel reached 55-90% of it).
+// Skinny bf16 matrix products for decoding on x86 CPUs: y = x W^T (+ b) for up to 8 rows of x,
+// the weights read as stored (bf16) and the arithmetic in fp32 registers. Decoding is bound by
+// streaming the weights, and oneDNN's bf16 GEMV in libtorch 1.13 streams them at about two
+// thirds of the memory bandwidth (and has no fast path at all without AVX512-BF16); this kernel
+// reads each weight row once for all rows of x, with several weight rows in flight per thread.
+// On AVX512-BF16 prefill stays with oneDNN, which runs at the CPU's bf16 peak there
+// (llava-bench --suite matmul; a tiled version of this kernel reached 55-90% of it).
 // Torch-free header (raw pointers), so the kernel TU is the only one built with OpenMP.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+
+#include "engine/cpu_features.h"
 
 namespace llava {
 
@@ -22,14 +25,13 @@ inline float Bf16ToFloat(uint16_t h) {
   return f;
 }
 
-// True when the CPU supports AVX512-BF16 (checked once).
-bool CpuHasBf16Gemv();
-
 // y [m, n] = x [m, k] . w [n, k]^T (+ bias [n]); bf16 in and out (uint16_t bit patterns),
-// fp32 accumulation, round-to-nearest-even. Requires 1 <= m <= kGemvMaxRows, k >= 1 (a
-// k % 32 tail is masked), row-major contiguous operands and CpuHasBf16Gemv(). `bias` may be
-// null. Runs on libtorch's intra-op threads.
+// fp32 accumulation, round-to-nearest-even. Requires 1 <= m <= kGemvMaxRows, k >= 1 and
+// row-major contiguous operands; `bias` may be null. Runs on libtorch's intra-op threads.
+// `path` picks the kernel (clamped to what the CPU runs): avx512bf16 multiplies bf16 pairs
+// with vdpbf16ps (a k % 32 tail masked); avx512 and avx2 widen each weight vector to fp32 and
+// use AVX2 FMAs (the AVX-512 machines without BF16 run it too); generic is plain C++.
 void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t m,
-              int64_t n, int64_t k);
+              int64_t n, int64_t k, CpuPath path = ActiveCpuPath());
 
 }  // namespace llava

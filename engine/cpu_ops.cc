@@ -71,6 +71,68 @@ __attribute__((target("avx512f"))) void SoftmaxRowsAvx512(float* p, int64_t rows
   }
 }
 
+// ExpNonPositive on 8 lanes with AVX2: 2^n is built in the exponent bits, so x is clamped at
+// -87 (e^-87 ~ 1.6e-38, near the smallest normal float) and anything below gives exactly 0.
+__attribute__((target("avx2,fma"))) inline __m256 ExpNonPositiveAvx2(__m256 x) {
+  const __m256 in = x;
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 e = _mm256_set1_ps(1.f / 5040);
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 720));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 120));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 24));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 6));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+  const __m256i pow2 = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  // n >= -126
+  const __m256 out = _mm256_mul_ps(e, _mm256_castsi256_ps(pow2));
+  return _mm256_and_ps(out, _mm256_cmp_ps(in, _mm256_set1_ps(-87.f), _CMP_GT_OQ));
+}
+
+// Lanes [0, left) of 8 set (all ones), the others clear.
+__attribute__((target("avx2"))) inline __m256i FirstLanes8(int64_t left) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))), idx);
+}
+
+__attribute__((target("avx2,fma"))) void SoftmaxRowsAvx2(float* p, int64_t rows, int64_t len) {
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < rows; ++i) {
+    float* pi = p + i * len;
+    __m256 vmax = neg_inf;
+    for (int64_t j = 0; j < len; j += 8) {
+      const __m256i m = FirstLanes8(len - j);
+      vmax = _mm256_max_ps(
+          vmax, _mm256_blendv_ps(neg_inf, _mm256_maskload_ps(pi + j, m), _mm256_castsi256_ps(m)));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    const __m256 max = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < len; j += 8) {
+      const __m256i m = FirstLanes8(len - j);
+      const __m256 e =
+          _mm256_and_ps(ExpNonPositiveAvx2(_mm256_sub_ps(_mm256_maskload_ps(pi + j, m), max)),
+                        _mm256_castsi256_ps(m));
+      vsum = _mm256_add_ps(vsum, e);
+      _mm256_maskstore_ps(pi + j, m, e);
+    }
+    _mm256_store_ps(lanes, vsum);
+    float sum = 0.f;
+    for (float l : lanes) sum += l;
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (int64_t j = 0; j < len; j += 8) {
+      const __m256i m = FirstLanes8(len - j);
+      _mm256_maskstore_ps(pi + j, m, _mm256_mul_ps(_mm256_maskload_ps(pi + j, m), inv));
+    }
+  }
+}
+
 // The mask of the first `left` of 16 lanes.
 inline __mmask16 FirstLanes(int64_t left) {
   return left >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << left) - 1);
@@ -95,10 +157,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void QuickGeluAv
 
 }  // namespace
 
-void SoftmaxRows(float* p, int64_t rows, int64_t len) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (avx512) {
+void SoftmaxRows(float* p, int64_t rows, int64_t len, CpuPath path) {
+  path = ClampCpuPath(path, DetectedCpuPath());
+  if (path >= CpuPath::kAvx512) {
     SoftmaxRowsAvx512(p, rows, len);
+  } else if (path == CpuPath::kAvx2) {
+    SoftmaxRowsAvx2(p, rows, len);
   } else {
     SoftmaxRowsPortable(p, rows, len);
   }
@@ -114,7 +178,7 @@ void CausalSoftmaxRows(float* p, int64_t rows, int64_t len, int64_t first_len) {
 }
 
 void QuickGeluBf16(const uint16_t* x, uint16_t* y, int64_t n) {
-  static const bool avx512 = CpuHasBf16Gemv() && __builtin_cpu_supports("avx512vl");
+  static const bool avx512 = CpuPathAtLeast(CpuPath::kAvx512Bf16);
   if (avx512) return QuickGeluAvx512(x, y, n);
   for (int64_t i = 0; i < n; ++i) {
     const float v = Bf16ToFloat(x[i]);

@@ -56,17 +56,26 @@ inline __attribute__((always_inline)) void Group(const float* q, int64_t g, cons
   }
 }
 
-// Compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one for this CPU.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void GroupF32(
-    const float* q, int64_t g, const float* k, int64_t ks, const float* v, int64_t vs, int64_t len,
-    int64_t hd, float scale, float* p, float* out) {
+// Compiled for AVX2 + FMA and for baseline x86-64; GroupAnyHeadSize picks by the CPU path
+// (AVX-512 CPUs take GroupAvx512 below for head sizes it has, this otherwise).
+template <typename KV>
+__attribute__((target("avx2,fma"))) void GroupAvx2(const float* q, int64_t g, const KV* k,
+                                                   int64_t ks, const KV* v, int64_t vs, int64_t len,
+                                                   int64_t hd, float scale, float* p, float* out) {
   Group(q, g, k, ks, v, vs, len, hd, scale, p, out);
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void GroupBf16(
-    const float* q, int64_t g, const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs,
-    int64_t len, int64_t hd, float scale, float* p, float* out) {
+template <typename KV>
+void GroupGeneric(const float* q, int64_t g, const KV* k, int64_t ks, const KV* v, int64_t vs,
+                  int64_t len, int64_t hd, float scale, float* p, float* out) {
   Group(q, g, k, ks, v, vs, len, hd, scale, p, out);
+}
+
+template <typename KV>
+void GroupAnyHeadSize(bool avx2, const float* q, int64_t g, const KV* k, int64_t ks, const KV* v,
+                      int64_t vs, int64_t len, int64_t hd, float scale, float* p, float* out) {
+  if (avx2) return GroupAvx2(q, g, k, ks, v, vs, len, hd, scale, p, out);
+  GroupGeneric(q, g, k, ks, v, vs, len, hd, scale, p, out);
 }
 
 // The same computation with AVX-512 intrinsics for head sizes 16, 32, ..., 128 (64 and 128 in
@@ -277,10 +286,11 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
                 "DecodeAttention: sequence ", b, " has keys ", k.sizes(), " / values ", v.sizes(),
                 " that do not fit q ", q.sizes());
   }
-  static const bool use_avx512 = __builtin_cpu_supports("avx512f");
+  static const bool use_avx512 = CpuPathAtLeast(CpuPath::kAvx512);
+  static const bool use_avx2 = CpuPathAtLeast(CpuPath::kAvx2);
   // A bf16 query against bf16 caches goes to the AVX512-BF16 score kernel as it is (head
   // sizes 32, 64, 96, 128); only the other paths read the query in fp32.
-  static const bool has_bf16_dot = CpuHasBf16Gemv();
+  static const bool has_bf16_dot = CpuPathAtLeast(CpuPath::kAvx512Bf16);
   const at::Tensor qb =
       q.scalar_type() == at::kBFloat16 && has_bf16_dot ? q.contiguous() : at::Tensor();
   bool need_qf = !(qb.defined() && use_avx512 && hd % 32 == 0 && hd <= 128);
@@ -323,7 +333,8 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
         const float* vf = v.data_ptr<float>() + kv * v.stride(0);
         if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, nullptr, group, kf, k.stride(1), vf,
                                                    v.stride(1), len, scale, p, oh)) {
-          GroupF32(qh, group, kf, k.stride(1), vf, v.stride(1), len, hd, scale, p, oh);
+          GroupAnyHeadSize(use_avx2, qh, group, kf, k.stride(1), vf, v.stride(1), len, hd, scale, p,
+                           oh);
         }
       } else {
         const auto* kb =
@@ -336,7 +347,8 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
                                   : nullptr;
         if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, qbh, group, kb, k.stride(1), vb,
                                                    v.stride(1), len, scale, p, oh)) {
-          GroupBf16(qh, group, kb, k.stride(1), vb, v.stride(1), len, hd, scale, p, oh);
+          GroupAnyHeadSize(use_avx2, qh, group, kb, k.stride(1), vb, v.stride(1), len, hd, scale, p,
+                           oh);
         }
       }
     }

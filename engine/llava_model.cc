@@ -27,6 +27,21 @@ bool IsPlainCpuBf16(const at::Tensor& t) {
   return t.defined() && t.is_cpu() && t.scalar_type() == at::kBFloat16 && !t.requires_grad();
 }
 
+// False for a bf16 CPU tensor outside autograd on a CPU path without AVX512-BF16, whose
+// products ATen (oneDNN) runs 10-50x slower than in fp32: the caller converts them.
+bool FastBf16Matmul(const at::Tensor& t) {
+  return !IsPlainCpuBf16(t) || CpuPathAtLeast(CpuPath::kAvx512Bf16);
+}
+
+// at::gelu and at::silu; in fp32 where FastBf16Matmul is false, since ATen also hands bf16
+// activations to oneDNN, which has no bf16 kernels below AVX512-BF16.
+at::Tensor Gelu(const at::Tensor& x) {
+  return FastBf16Matmul(x) ? at::gelu(x) : at::gelu(x.to(at::kFloat)).to(x.scalar_type());
+}
+at::Tensor Silu(const at::Tensor& x) {
+  return FastBf16Matmul(x) ? at::silu(x) : at::silu(x.to(at::kFloat)).to(x.scalar_type());
+}
+
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
@@ -74,14 +89,13 @@ bool Ignorable(const std::string& name, const LlavaConfig& c) {
 at::Tensor Linear::operator()(const at::Tensor& x) const {
   const int64_t k = weight.size(1), rows = x.numel() / std::max<int64_t>(k, 1);
   // Not under autograd: the trainer's forward needs at::linear's backward.
-  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.is_cpu() &&
-      weight.is_cpu() && rows >= 1 && rows <= kGemvMaxRows && k >= 1 && weight.is_contiguous() &&
-      !x.requires_grad() && !weight.requires_grad() &&
-      (!bias.defined() || (bias.scalar_type() == at::kBFloat16 && !bias.requires_grad())) &&
-      CpuHasBf16Gemv()) {
+  const bool plain_bf16 = IsPlainCpuBf16(x) && IsPlainCpuBf16(weight) && weight.is_contiguous() &&
+                          k >= 1 && rows >= 1 && (!bias.defined() || IsPlainCpuBf16(bias));
+  if (!plain_bf16) return at::linear(x, weight, bias);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = weight.size(0);
+  if (rows <= kGemvMaxRows) {
     at::Tensor xc = x.contiguous();
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = weight.size(0);
     at::Tensor y = at::empty(shape, x.options());
     Bf16Gemv(static_cast<const uint16_t*>(xc.data_ptr()),
              static_cast<const uint16_t*>(weight.data_ptr()),
@@ -89,7 +103,22 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
              static_cast<uint16_t*>(y.data_ptr()), rows, weight.size(0), k);
     return y;
   }
-  return at::linear(x, weight, bias);
+  if (CpuPathAtLeast(CpuPath::kAvx512Bf16)) return at::linear(x, weight, bias);  // oneDNN
+  return Bf16LinearViaF32(x.reshape({rows, k}), weight, bias).view(shape);
+}
+
+at::Tensor Bf16LinearViaF32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = at::empty({x.size(0), n}, xf.options());
+  const int64_t panel = std::max<int64_t>(64, kLinearPanelFloats / k);
+  for (int64_t n0 = 0; n0 < n; n0 += panel) {
+    const int64_t p = std::min(panel, n - n0);
+    at::Tensor out = y.narrow(1, n0, p);
+    at::mm_out(out, xf, weight.narrow(0, n0, p).to(at::kFloat).t());
+  }
+  if (bias.defined()) y.add_(bias.to(at::kFloat));
+  return y.to(at::kBFloat16);
 }
 
 at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
@@ -374,7 +403,11 @@ at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
   const int64_t hd = dv / heads;
   at::Tensor px = pixel_values.to(tensor_options());
   // [B, Dv, g, g] -> [B, N, Dv]
-  at::Tensor x = at::conv2d(px, patch_embedding_, {}, v.patch_size).flatten(2).transpose(1, 2);
+  at::Tensor x = FastBf16Matmul(px) ? at::conv2d(px, patch_embedding_, {}, v.patch_size)
+                                    : at::conv2d(px.to(at::kFloat), patch_embedding_.to(at::kFloat),
+                                                 {}, v.patch_size)
+                                          .to(px.scalar_type());
+  x = x.flatten(2).transpose(1, 2);
   x = at::cat({class_embedding_.view({1, 1, dv}).expand({b, 1, dv}), x}, 1) + position_embedding_;
   x = pre_layernorm_(x);  // [B, N+1, Dv]
   const int64_t s = x.size(1);
@@ -385,6 +418,9 @@ at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
       return t.view({b, s, heads, hd}).transpose(1, 2);
     };
     at::Tensor q = heads_view(l.q(h) * scale), k = heads_view(l.k(h)), vv = heads_view(l.v(h));
+    if (!FastBf16Matmul(q)) {  // fp32 products, back to bf16 after the attention
+      q = q.to(at::kFloat), k = k.to(at::kFloat), vv = vv.to(at::kFloat);
+    }
     at::Tensor scores = at::matmul(q, k.transpose(-1, -2));
     at::Tensor probs;
     if (scores.is_cpu() && !scores.requires_grad()) {
@@ -393,19 +429,22 @@ at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
     } else {
       probs = at::softmax(scores, -1, at::kFloat);
     }
-    at::Tensor attn = at::matmul(probs.to(x.scalar_type()), vv).transpose(1, 2).reshape({b, s, dv});
+    at::Tensor attn = at::matmul(probs.to(vv.scalar_type()), vv)
+                          .to(x.scalar_type())
+                          .transpose(1, 2)
+                          .reshape({b, s, dv});
     x = x + l.out(attn);
     h = l.fc1(l.ln2(x));
     if (v.hidden_act == "quick_gelu" && IsPlainCpuBf16(h) && h.is_contiguous()) {
       QuickGeluBf16(reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>()),
                     reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()), h.numel());
     } else {
-      h = v.hidden_act == "quick_gelu" ? h * at::sigmoid(1.702 * h) : at::gelu(h);
+      h = v.hidden_act == "quick_gelu" ? h * at::sigmoid(1.702 * h) : Gelu(h);
     }
     x = x + l.fc2(h);
   }
   if (config_.vision_feature_select_strategy == "default") x = x.narrow(1, 1, s - 1);
-  return proj2_(at::gelu(proj1_(x)));  // [B, N, D]
+  return proj2_(Gelu(proj1_(x)));  // [B, N, D]
 }
 
 at::Tensor LlavaModel::Embed(const at::Tensor& ids) const {
@@ -429,6 +468,10 @@ at::Tensor LlavaModel::EmbedPrompt(const std::vector<int>& ids,
 
 at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const ProbsObserver* observer) {
+  if (!FastBf16Matmul(q)) {  // the same attention in fp32 (the cache stays bf16)
+    return CachedAttention(q.to(at::kFloat), keys.to(at::kFloat), values.to(at::kFloat), observer)
+        .to(q.scalar_type());
+  }
   const int64_t n = q.size(0), h = q.size(1), hd = q.size(2);
   const int64_t hkv = keys.size(0), len = keys.size(1), g = h / hkv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
@@ -563,7 +606,7 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
     hn = RmsNorm(x, l.post_norm, t.rms_norm_eps);
     at::Tensor gate_up = l.gate_up(hn);  // [N, 2F]
     const int64_t f = t.intermediate_size;
-    x = x + l.down(at::silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f));
+    x = x + l.down(Silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f));
     if (layer_outputs != nullptr) layer_outputs->push_back(x);
   }
   for (const SequenceChunk& c : chunks) {
@@ -576,7 +619,10 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
 
   at::Tensor rows = at::tensor(logit_rows, at::kLong).to(dev);
   at::Tensor last = RmsNorm(x.index_select(0, rows), final_norm_, t.rms_norm_eps);
-  return at::linear(last, lm_head_).to(at::kFloat);  // [rows, V]
+  // On AVX512-BF16 oneDNN, as before the other CPU paths existed (the quality tables of
+  // docs/POLICIES.md were made with it); elsewhere the kernels of every other Linear.
+  if (FastBf16Matmul(last)) return at::linear(last, lm_head_).to(at::kFloat);  // [rows, V]
+  return Linear{lm_head_, at::Tensor()}(last).to(at::kFloat);
 }
 
 }  // namespace llava

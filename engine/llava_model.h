@@ -32,11 +32,19 @@ struct ModelOptions {
 struct Linear {
   at::Tensor weight;  // [out, in]
   at::Tensor bias;    // [out] or undefined
-  // x [.., in] -> [.., out]. Up to kGemvMaxRows bf16 rows on an AVX512-BF16 CPU, outside
-  // autograd, take our weight-streaming kernel (cpu_gemv.h); everything else takes at::linear
-  // (oneDNN / BLAS).
+  // x [.., in] -> [.., out]. Outside autograd, bf16 on the CPU: up to kGemvMaxRows rows take
+  // our weight-streaming kernel (cpu_gemv.h) on every CPU path; more rows take oneDNN's bf16
+  // GEMM on AVX512-BF16 and Bf16LinearViaF32 on the other paths. Everything else (fp32, the
+  // trainer's autograd, CUDA) takes at::linear.
   at::Tensor operator()(const at::Tensor& x) const;
 };
+
+// Prefill rows on CPUs without AVX512-BF16, where ATen's bf16 matmul has no fast path: the
+// weights stay bf16 in memory and are widened to fp32 one panel of kLinearPanelFloats / k rows
+// at a time (cache-sized) for the fp32 BLAS. x [rows, in], weight [out, in], bias [out] or
+// undefined, all bf16 -> [rows, out] bf16.
+constexpr int64_t kLinearPanelFloats = int64_t{1} << 20;  // 4 MiB of fp32 weights
+at::Tensor Bf16LinearViaF32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 struct LayerNorm {
   at::Tensor weight, bias;  // [dim]

@@ -22,6 +22,7 @@ PACKAGES=(
   prometheus                          # promtool: checks the /metrics exposition and deploy/ in tests
   python3-yaml                        # tests/deploy_test.py reads the Kubernetes manifests
   nodejs                              # tests/deploy_schema: Kubernetes API schema validation
+  qemu-user                           # the kernels on an emulated AVX2-only CPU (-cpu Haswell)
 )
 # Debian's npm, unless a nodejs that bundles its own (NodeSource's) is installed already.
 command -v npm > /dev/null 2>&1 || PACKAGES+=(npm)

@@ -5,6 +5,7 @@
 #include <deque>
 #include <mutex>
 
+#include "engine/cpu_features.h"
 #include "engine/llava_model.h"
 
 namespace llava::server {
@@ -231,6 +232,8 @@ ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std:
   ModelFacts f;
   f.model_path = path;
   f.dtype = dtype;
+  if (model.model->options().device.rfind("cuda", 0) != 0)
+    f.cpu_path = CpuPathName(ActiveCpuPath());
   f.vocab_size = c.text.vocab_size;
   f.context_length = c.text.max_position_embeddings;
   f.image_size = c.vision.image_size;
@@ -280,6 +283,7 @@ grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerCon
   info->set_default_budget(config_.defaults.kv.budget);
   info->set_max_tokens_limit(config_.max_tokens_limit);
   info->set_dtype(m.dtype);
+  info->set_cpu_path(m.cpu_path);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -16,6 +16,7 @@ namespace llava::server {
 // Facts about the served model for GetModelInfo.
 struct ModelFacts {
   std::string model_path, dtype = "bf16";
+  std::string cpu_path;  // CpuPathName of the kernels in use; empty on a GPU
   int vocab_size = 0, context_length = 0, image_size = 0, image_tokens = 0, num_layers = 0;
   int64_t kv_bytes_per_token = 0;
 };

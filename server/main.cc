@@ -12,6 +12,7 @@
 #include <csignal>
 #include <thread>
 
+#include "engine/cpu_features.h"
 #include "engine/engine.h"
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
@@ -28,7 +29,7 @@ int main(int argc, char** argv) {
   CLI::App app{"llava-server: multimodal chat over gRPC with per-request KV-cache policies"};
   std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, listen = "0.0.0.0:50051";
   std::string metrics_listen = "0.0.0.0:9090";
-  std::string dtype = "bf16", device = "cpu", policy = "elastic";
+  std::string dtype = "auto", device = "cpu", policy = "elastic";
   double budget = 0.5, kv_gib = 4.0, grace_s = 30;
   int threads = 0, max_batch = 8, max_queue = 64, default_max_tokens = 256, prefill_chunk = 256;
   int max_tokens_limit = 2048, max_images = 4, max_messages = 64, max_prompt_tokens = 0;
@@ -91,9 +92,11 @@ int main(int argc, char** argv) {
   app.add_option("--max-image-pixels", max_image_pixels)
       ->envname(env("MAX_IMAGE_PIXELS"))
       ->capture_default_str();
-  app.add_option("--dtype", dtype, "bf16 | f32")
+  app.add_option("--dtype", dtype,
+                 "auto (bf16 on GPUs and vector CPU paths, f32 on the generic one) | bf16 | f32")
       ->envname(env("DTYPE"))
-      ->check(CLI::IsMember({"bf16", "f32"}));
+      ->check(CLI::IsMember({"auto", "bf16", "f32"}))
+      ->capture_default_str();
   app.add_option("--device", device, "cpu | cuda[:i]")
       ->envname(env("DEVICE"))
       ->capture_default_str();
@@ -113,8 +116,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   llava::ModelOptions options;
-  options.dtype = dtype == "f32" ? llava::DType::kF32 : llava::DType::kBF16;
+  std::string dtype_why;
+  llava::ResolveDType(dtype, device, llava::ActiveCpuPath(), &options.dtype, &dtype_why);
+  dtype = options.dtype == llava::DType::kF32 ? "f32" : "bf16";
   options.device = device;
+  spdlog::info("cpu kernels: {} (this CPU: {}); weights: {}",
+               llava::CpuPathName(llava::ActiveCpuPath()),
+               llava::CpuPathName(llava::DetectedCpuPath()), dtype_why);
   spdlog::info("loading {} ({}, {}, {} threads)", model_dir, dtype, device, threads);
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {

@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
+#include "engine/cpu_features.h"
 #include "engine/cpu_ops.h"
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
@@ -11,39 +14,96 @@
 namespace llava {
 namespace {
 
-TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCount) {
-  if (!CpuHasBf16Gemv()) GTEST_SKIP() << "CPU without AVX512-BF16: at::linear is used instead";
+// Every kernel path this CPU can run: a better CPU also tests the lower paths.
+std::vector<CpuPath> RunnablePaths() {
+  std::vector<CpuPath> out;
+  for (CpuPath p : {CpuPath::kGeneric, CpuPath::kAvx2, CpuPath::kAvx512, CpuPath::kAvx512Bf16}) {
+    if (p <= DetectedCpuPath()) out.push_back(p);
+  }
+  return out;
+}
+
+TEST(CpuFeatures, NamesRoundTripAndRequestsAreClampedToTheCpu) {
+  for (CpuPath p : {CpuPath::kGeneric, CpuPath::kAvx2, CpuPath::kAvx512, CpuPath::kAvx512Bf16}) {
+    CpuPath back;
+    ASSERT_TRUE(ParseCpuPath(CpuPathName(p), &back));
+    EXPECT_EQ(back, p);
+  }
+  CpuPath unused;
+  EXPECT_FALSE(ParseCpuPath("avx512_bf16", &unused));
+  EXPECT_FALSE(ParseCpuPath("", &unused));
+  EXPECT_EQ(ClampCpuPath(CpuPath::kAvx512Bf16, CpuPath::kAvx2), CpuPath::kAvx2);
+  EXPECT_EQ(ClampCpuPath(CpuPath::kGeneric, CpuPath::kAvx512Bf16), CpuPath::kGeneric);
+  EXPECT_LE(ActiveCpuPath(), DetectedCpuPath());
+  // Under LLAVA_CPU_PATH (the CI's runs of these tests on each lower path) the active path is
+  // the one asked for, when this CPU has it.
+  // Under emulation (tests/CMakeLists.txt: QEMU's Haswell) the CPU must be seen as it is.
+  if (const char* expected = std::getenv("LLAVA_EXPECT_DETECTED_CPU_PATH")) {
+    EXPECT_STREQ(CpuPathName(DetectedCpuPath()), expected);
+  }
+  const char* env = std::getenv("LLAVA_CPU_PATH");
+  if (env != nullptr && *env != '\0') {
+    CpuPath want;
+    ASSERT_TRUE(ParseCpuPath(env, &want)) << env;
+    EXPECT_EQ(ActiveCpuPath(), ClampCpuPath(want, DetectedCpuPath()));
+  }
+}
+
+TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCountOnEveryPath) {
   InitTorchThreads(2);
   at::manual_seed(0);
-  // k not a multiple of 32 (688: the default model's FFN; 7) takes the masked tail.
-  for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
-    for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{
-             {37, 64}, {4099, 96}, {64, 4096}, {40, 688}, {5, 7}}) {
-      at::Tensor x = at::randn({m, k}).to(at::kBFloat16);
-      at::Tensor w = (at::randn({n, k}) * 0.1).to(at::kBFloat16);
-      at::Tensor b = at::randn({n}).to(at::kBFloat16);
-      for (bool with_bias : {false, true}) {
-        at::Tensor y = at::empty({m, n}, at::kBFloat16);
-        Bf16Gemv(static_cast<const uint16_t*>(x.data_ptr()),
-                 static_cast<const uint16_t*>(w.data_ptr()),
-                 with_bias ? static_cast<const uint16_t*>(b.data_ptr()) : nullptr,
-                 static_cast<uint16_t*>(y.data_ptr()), m, n, k);
-        at::Tensor ref = at::linear(x.to(at::kFloat), w.to(at::kFloat),
-                                    with_bias ? b.to(at::kFloat) : at::Tensor());
-        // bf16 output rounding: relative error below 2^-8 of the row scale.
-        const double err = (y.to(at::kFloat) - ref).abs().max().item<double>();
-        EXPECT_LT(err, ref.abs().max().item<double>() / 128)
-            << "m=" << m << " n=" << n << " k=" << k;
+  for (CpuPath path : RunnablePaths()) {
+    // k not a multiple of 32 or 8 (688: the default model's FFN; 7, 100) takes the tails.
+    for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
+      for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{
+               {37, 64}, {4099, 96}, {64, 4096}, {40, 688}, {5, 7}, {19, 100}}) {
+        at::Tensor x = at::randn({m, k}).to(at::kBFloat16);
+        at::Tensor w = (at::randn({n, k}) * 0.1).to(at::kBFloat16);
+        at::Tensor b = at::randn({n}).to(at::kBFloat16);
+        for (bool with_bias : {false, true}) {
+          at::Tensor y = at::empty({m, n}, at::kBFloat16);
+          Bf16Gemv(static_cast<const uint16_t*>(x.data_ptr()),
+                   static_cast<const uint16_t*>(w.data_ptr()),
+                   with_bias ? static_cast<const uint16_t*>(b.data_ptr()) : nullptr,
+                   static_cast<uint16_t*>(y.data_ptr()), m, n, k, path);
+          at::Tensor ref = at::linear(x.to(at::kFloat), w.to(at::kFloat),
+                                      with_bias ? b.to(at::kFloat) : at::Tensor());
+          // bf16 output rounding: relative error below 2^-8 of the row scale.
+          const double err = (y.to(at::kFloat) - ref).abs().max().item<double>();
+          EXPECT_LT(err, ref.abs().max().item<double>() / 128)
+              << CpuPathName(path) << " m=" << m << " n=" << n << " k=" << k;
+        }
       }
     }
   }
 }
 
-TEST(Bf16Gemv, LinearDispatchesSkinnyBf16AndKeepsAutograd) {
+// The prefill product of the paths without AVX512-BF16: bf16 weights widened a panel at a
+// time, with a width that is not a multiple of the panel and a bias.
+TEST(Bf16LinearViaF32, MatchesFp32Reference) {
+  InitTorchThreads(2);
+  at::manual_seed(4);
+  const int64_t k = 96, n = kLinearPanelFloats / k * 2 + 37;  // two panels and a part
+  at::Tensor x = at::randn({21, k}).to(at::kBFloat16);
+  at::Tensor w = (at::randn({n, k}) * 0.1).to(at::kBFloat16);
+  at::Tensor b = at::randn({n}).to(at::kBFloat16);
+  for (bool with_bias : {false, true}) {
+    at::Tensor y = Bf16LinearViaF32(x, w, with_bias ? b : at::Tensor());
+    at::Tensor ref =
+        at::linear(x.to(at::kFloat), w.to(at::kFloat), with_bias ? b.to(at::kFloat) : at::Tensor());
+    ASSERT_EQ(y.sizes(), ref.sizes());
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    EXPECT_LT((y.to(at::kFloat) - ref).abs().max().item<double>(),
+              ref.abs().max().item<double>() / 128)
+        << with_bias;
+  }
+}
+
+TEST(Bf16Gemv, LinearDispatchesEveryRowCount) {
   InitTorchThreads(2);
   at::manual_seed(1);
   Linear lin{(at::randn({48, 64}) * 0.1).to(at::kBFloat16), at::randn({48}).to(at::kBFloat16)};
-  for (int64_t rows : {1, 3, 8, 9, 40}) {  // 9 and 40 take at::linear
+  for (int64_t rows : {1, 3, 8, 9, 40}) {  // 9 and 40: oneDNN or Bf16LinearViaF32
     at::Tensor x = at::randn({rows, 64}).to(at::kBFloat16);
     at::Tensor ref =
         at::linear(x.to(at::kFloat), lin.weight.to(at::kFloat), lin.bias.to(at::kFloat));
@@ -54,7 +114,14 @@ TEST(Bf16Gemv, LinearDispatchesSkinnyBf16AndKeepsAutograd) {
               ref.abs().max().item<double>() / 64)
         << rows;
   }
-  // Under autograd (the trainer) the product must stay differentiable: at::linear.
+}
+
+// Under autograd (the trainer) the product must stay differentiable: at::linear. (Not in the
+// forced-path runs of tests/CMakeLists.txt: ATen's bf16 backward is outside the CPU paths.)
+TEST(LinearAutograd, Bf16WeightsStayDifferentiable) {
+  InitTorchThreads(2);
+  at::manual_seed(1);
+  Linear lin{(at::randn({48, 64}) * 0.1).to(at::kBFloat16), at::randn({48}).to(at::kBFloat16)};
   Linear trained{lin.weight.clone().requires_grad_(true), lin.bias};
   at::Tensor y = trained(at::randn({2, 64}).to(at::kBFloat16));
   ASSERT_TRUE(y.requires_grad());
@@ -70,9 +137,11 @@ TEST(CpuOps, SoftmaxRowsMatchesATen) {
     x[1].fill_(0);
     x[2][0] = -1e4;
     at::Tensor want = at::softmax(x, -1);
-    at::Tensor got = x.clone();
-    SoftmaxRows(got.data_ptr<float>(), 3, len);
-    EXPECT_LT((got - want).abs().max().item<double>(), 1e-6) << len;
+    for (CpuPath path : RunnablePaths()) {
+      at::Tensor got = x.clone();
+      SoftmaxRows(got.data_ptr<float>(), 3, len, path);
+      EXPECT_LT((got - want).abs().max().item<double>(), 1e-6) << len << " " << CpuPathName(path);
+    }
   }
 }
 

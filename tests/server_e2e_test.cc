@@ -10,6 +10,7 @@
 #include <opencv2/imgproc.hpp>
 #include <thread>
 
+#include "engine/cpu_features.h"
 #include "engine/generator.h"
 #include "engine/llava_model.h"
 #include "engine/runtime.h"
@@ -127,6 +128,8 @@ TEST_F(ServerTest, ModelInfo) {
   EXPECT_EQ(info.context_length(), 512);
   EXPECT_EQ(info.default_policy(), v1::CACHE_POLICY_ELASTIC);
   EXPECT_EQ(info.max_tokens_limit(), 400);
+  // The server runs under this process's environment (LLAVA_CPU_PATH included).
+  EXPECT_EQ(info.cpu_path(), CpuPathName(ActiveCpuPath()));
   EXPECT_EQ(info.kv_bytes_per_token(),
             loaded_->model->kv_layout().num_layers * loaded_->model->kv_layout().bytes_per_entry());
 }

@@ -25,6 +25,7 @@
 #include <set>
 #include <sstream>
 
+#include "engine/cpu_features.h"
 #include "engine/eval_metrics.h"
 #include "engine/generator.h"
 #include "engine/llava_model.h"
@@ -207,7 +208,7 @@ void WriteKinds(const std::string& out, const std::map<std::pair<std::string, do
 
 int main(int argc, char** argv) {
   CLI::App app{"Quality and memory of KV-cache policies (PPL, ROUGE-L, accuracy, bytes)"};
-  std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, dataset, out = "eval-out", dtype = "bf16";
+  std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, dataset, out = "eval-out", dtype = "auto";
   std::vector<std::string> policies = {"full", "elastic", "elastic+paper", "h2o", "streaming_llm"};
   std::vector<double> budgets = {1.0, 0.8, 0.5, 0.3, 0.2, 0.1};
   int max_tokens = 64, threads = 0, limit = 0, recent_distance = 0;
@@ -230,7 +231,9 @@ int main(int argc, char** argv) {
   app.add_option("--items", items_path,
                  "also write every answer as JSON lines (sample, policy, budget, kind, prompt, "
                  "reference, answer, score) to this file");
-  app.add_option("--dtype", dtype, "bf16 | f32")->check(CLI::IsMember({"bf16", "f32"}));
+  app.add_option("--dtype", dtype, "auto | bf16 | f32 (llava-server --help)")
+      ->check(CLI::IsMember({"auto", "bf16", "f32"}))
+      ->capture_default_str();
   app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
   std::string layout = "image_first";
   app.add_option("--layout", layout,
@@ -242,7 +245,7 @@ int main(int argc, char** argv) {
   llava::InitTorchThreads(threads);
 
   llava::ModelOptions options;
-  options.dtype = dtype == "f32" ? llava::DType::kF32 : llava::DType::kBF16;
+  llava::ResolveDType(dtype, options.device, llava::ActiveCpuPath(), &options.dtype, nullptr);
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {
     std::fprintf(stderr, "error: %s\n", loaded.status().ToString().c_str());

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "engine/cpu_features.h"
 #include "engine/generator.h"
 #include "engine/kv_policy.h"
 #include "engine/llava_model.h"
@@ -13,7 +14,7 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"Generate an answer about an image with a LLaVA model"};
-  std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, prompt, dtype = "bf16", device = "cpu";
+  std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, prompt, dtype = "auto", device = "cpu";
   std::vector<std::string> image_paths;
   std::string system_prompt;
   int threads = 0;
@@ -48,7 +49,9 @@ int main(int argc, char** argv) {
   app.add_option("--sink-tokens", kv.sink_tokens, "protected first tokens (-1: policy default)")
       ->capture_default_str();
   app.add_option("--position-mode", position_mode, "original | compressed")->capture_default_str();
-  app.add_option("--dtype", dtype, "bf16 | f32")->check(CLI::IsMember({"bf16", "f32"}));
+  app.add_option("--dtype", dtype, "auto | bf16 | f32 (llava-server --help)")
+      ->check(CLI::IsMember({"auto", "bf16", "f32"}))
+      ->capture_default_str();
   app.add_option("--device", device, "cpu | cuda[:i]")->capture_default_str();
   app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
   app.add_flag("--stats", show_stats, "print token counts and timings to stderr");
@@ -56,8 +59,13 @@ int main(int argc, char** argv) {
   llava::InitTorchThreads(threads);
 
   llava::ModelOptions options;
-  options.dtype = dtype == "f32" ? llava::DType::kF32 : llava::DType::kBF16;
+  std::string dtype_why;
+  llava::ResolveDType(dtype, device, llava::ActiveCpuPath(), &options.dtype, &dtype_why);
   options.device = device;
+  if (show_stats) {
+    std::fprintf(stderr, "cpu kernels: %s; weights: %s\n",
+                 llava::CpuPathName(llava::ActiveCpuPath()), dtype_why.c_str());
+  }
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {
     std::fprintf(stderr, "error: %s\n", loaded.status().ToString().c_str());
