@@ -263,6 +263,144 @@ bool GroupAvx512ForHeadSize(int64_t hd, const float* q, const uint16_t* qb, int6
   }
 }
 
+// ---- AVX2 + FMA: the same blocked computation with 8-lane vectors, blocks of 8 cache rows ----
+
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Lane r of the result: the sum of the 8 lanes of v[r].
+__attribute__((target("avx2,fma"))) inline __m256 SumEach8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a = [v0..v3 low-half sums | v0..v3 high-half sums], b the same for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// nb <= 8 rows of a cache head as fp32 into buf [8, 8 * CH]; rows from nb on are zero.
+template <int CH, typename KV>
+__attribute__((target("avx2,fma"))) inline void ConvertBlock8(const KV* src, int64_t stride,
+                                                              int64_t nb, float* buf) {
+  constexpr int64_t kLine = 64 / sizeof(KV), kRowElems = 8 * CH;
+  for (int64_t r = 0; r < 8; ++r) {
+    if (r >= nb) {
+#pragma GCC unroll 16
+      for (int c = 0; c < CH; ++c) _mm256_store_ps(buf + r * 8 * CH + 8 * c, _mm256_setzero_ps());
+      continue;
+    }
+    for (int64_t e = 0; e < kRowElems; e += kLine) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + (r + 8) * stride + e), _MM_HINT_T0);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < CH; ++c)
+      _mm256_store_ps(buf + r * 8 * CH + 8 * c, Load8(src + r * stride + 8 * c));
+  }
+}
+
+template <int CH, typename KV>
+__attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_t g, const KV* k,
+                                                          int64_t k_stride, const KV* v,
+                                                          int64_t v_stride, int64_t len,
+                                                          float scale, float* p, float* out) {
+  constexpr int64_t hd = 8 * CH;
+  alignas(32) float storage[8 * hd];
+  float* buf = storage;  // opaque, as in GroupAvx512
+  asm("" : "+r"(buf));
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    const int64_t nb = std::min<int64_t>(8, len - j0);
+    ConvertBlock8<CH>(k + j0 * k_stride, k_stride, nb, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+      for (int c = 0; c < CH; ++c) {
+        const __m256 qv = _mm256_loadu_ps(q + i * hd + 8 * c);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r)
+          acc[r] = _mm256_fmadd_ps(qv, _mm256_load_ps(buf + r * hd + 8 * c), acc[r]);
+      }
+      const __m256 dots = _mm256_mul_ps(SumEach8(acc), vscale);
+      if (nb == 8) {
+        _mm256_storeu_ps(p + i * len + j0, dots);
+      } else {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, dots);
+        std::copy(tail, tail + nb, p + i * len + j0);
+      }
+    }
+  }
+  SoftmaxRows(p, g, len, CpuPath::kAvx2);
+  for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
+  // The weighted sum of values: up to 8 accumulators (64 lanes of the head) at a time.
+  constexpr int kPart = CH < 8 ? CH : 8;
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    const int64_t nb = std::min<int64_t>(8, len - j0);
+    ConvertBlock8<CH>(v + j0 * v_stride, v_stride, nb, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      const float* pi = p + i * len + j0;
+      for (int c0 = 0; c0 < CH; c0 += kPart) {
+        float* oi = out + i * hd + 8 * c0;
+        __m256 acc[kPart];
+#pragma GCC unroll 8
+        for (int c = 0; c < kPart; ++c) acc[c] = _mm256_loadu_ps(oi + 8 * c);
+        for (int64_t r = 0; r < nb; ++r) {
+          const __m256 pr = _mm256_set1_ps(pi[r]);
+#pragma GCC unroll 8
+          for (int c = 0; c < kPart; ++c)
+            acc[c] = _mm256_fmadd_ps(pr, _mm256_load_ps(buf + r * hd + 8 * (c0 + c)), acc[c]);
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < kPart; ++c) _mm256_storeu_ps(oi + 8 * c, acc[c]);
+      }
+    }
+  }
+}
+
+// GroupAvx2Blocked for the head size (16, 32, ..., 128), or false when it has no instance.
+template <typename KV>
+bool GroupAvx2ForHeadSize(int64_t hd, const float* q, int64_t g, const KV* k, int64_t ks,
+                          const KV* v, int64_t vs, int64_t len, float scale, float* p, float* out) {
+  switch (hd) {
+#define LLAVA_GROUP_CASE(CH)                                      \
+  case 8 * CH:                                                    \
+    GroupAvx2Blocked<CH>(q, g, k, ks, v, vs, len, scale, p, out); \
+    return true;
+    LLAVA_GROUP_CASE(2)
+    LLAVA_GROUP_CASE(4)
+    LLAVA_GROUP_CASE(6)
+    LLAVA_GROUP_CASE(8)
+    LLAVA_GROUP_CASE(10)
+    LLAVA_GROUP_CASE(12)
+    LLAVA_GROUP_CASE(14)
+    LLAVA_GROUP_CASE(16)
+#undef LLAVA_GROUP_CASE
+    default:
+      return false;
+  }
+}
+
+// One group on the best kernel of the path: the AVX-512 or AVX2 blocks for the head sizes they
+// have, the compiler-vectorised loops otherwise. `qb`: the bf16 query (AVX512-BF16 only).
+template <typename KV>
+void RunGroup(CpuPath path, int64_t hd, const float* q, const uint16_t* qb, int64_t g, const KV* k,
+              int64_t ks, const KV* v, int64_t vs, int64_t len, float scale, float* p, float* out) {
+  if (path >= CpuPath::kAvx512 &&
+      GroupAvx512ForHeadSize(hd, q, qb, g, k, ks, v, vs, len, scale, p, out)) {
+    return;
+  }
+  if (path >= CpuPath::kAvx2 && q != nullptr &&
+      GroupAvx2ForHeadSize(hd, q, g, k, ks, v, vs, len, scale, p, out)) {
+    return;
+  }
+  GroupAnyHeadSize(path >= CpuPath::kAvx2, q, g, k, ks, v, vs, len, hd, scale, p, out);
+}
+
 }  // namespace
 
 at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
@@ -286,11 +424,11 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
                 "DecodeAttention: sequence ", b, " has keys ", k.sizes(), " / values ", v.sizes(),
                 " that do not fit q ", q.sizes());
   }
-  static const bool use_avx512 = CpuPathAtLeast(CpuPath::kAvx512);
-  static const bool use_avx2 = CpuPathAtLeast(CpuPath::kAvx2);
+  const CpuPath path = ActiveCpuPath();
+  const bool use_avx512 = path >= CpuPath::kAvx512;
   // A bf16 query against bf16 caches goes to the AVX512-BF16 score kernel as it is (head
   // sizes 32, 64, 96, 128); only the other paths read the query in fp32.
-  static const bool has_bf16_dot = CpuPathAtLeast(CpuPath::kAvx512Bf16);
+  const bool has_bf16_dot = path >= CpuPath::kAvx512Bf16;
   const at::Tensor qb =
       q.scalar_type() == at::kBFloat16 && has_bf16_dot ? q.contiguous() : at::Tensor();
   bool need_qf = !(qb.defined() && use_avx512 && hd % 32 == 0 && hd <= 128);
@@ -331,11 +469,7 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
       if (k.scalar_type() == at::kFloat) {
         const float* kf = k.data_ptr<float>() + kv * k.stride(0);
         const float* vf = v.data_ptr<float>() + kv * v.stride(0);
-        if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, nullptr, group, kf, k.stride(1), vf,
-                                                   v.stride(1), len, scale, p, oh)) {
-          GroupAnyHeadSize(use_avx2, qh, group, kf, k.stride(1), vf, v.stride(1), len, hd, scale, p,
-                           oh);
-        }
+        RunGroup(path, hd, qh, nullptr, group, kf, k.stride(1), vf, v.stride(1), len, scale, p, oh);
       } else {
         const auto* kb =
             reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + kv * k.stride(0);
@@ -345,11 +479,7 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
                                   ? reinterpret_cast<const uint16_t*>(qb.data_ptr<at::BFloat16>()) +
                                         (b * heads + kv * group) * hd
                                   : nullptr;
-        if (!use_avx512 || !GroupAvx512ForHeadSize(hd, qh, qbh, group, kb, k.stride(1), vb,
-                                                   v.stride(1), len, scale, p, oh)) {
-          GroupAnyHeadSize(use_avx2, qh, group, kb, k.stride(1), vb, v.stride(1), len, hd, scale, p,
-                           oh);
-        }
+        RunGroup(path, hd, qh, qbh, group, kb, k.stride(1), vb, v.stride(1), len, scale, p, oh);
       }
     }
   });

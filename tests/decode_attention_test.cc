@@ -57,7 +57,8 @@ TEST_P(DecodeAttentionTest, MatchesPerSequenceAttention) {
 
 // fp32: same arithmetic up to summation order; bf16: the output's own rounding (values ~ 1).
 // Grouped KV heads (4 query heads on 2), one KV head per query head, LLaVA-7B's head size;
-// multiples of 16 take the AVX-512 kernel where the CPU has it.
+// multiples of 16 take the blocked AVX-512 or AVX2 kernel of the CPU path (tests/CMakeLists.txt
+// runs this on each path).
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DecodeAttentionTest,
     ::testing::Values(Case{at::kFloat, 1e-5, 4, 2, 64}, Case{at::kBFloat16, 2e-2, 4, 2, 64},
