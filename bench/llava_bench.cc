@@ -258,8 +258,9 @@ double Bf16PeakGflops(int threads) {
   return 64.0 * kPeakAcc * kPeakIters * threads / seconds / 1e9;
 }
 
-// GFLOP/s of one bf16 matrix product y = x W^T, [m, k] x [n, k]: libtorch's at::linear
-// (oneDNN) against llava::Linear (engine/cpu_gemv.h on an AVX512-BF16 CPU). Medians of reps.
+// GFLOP/s of one bf16 matrix product y = x W^T, [m, k] x [n, k]: libtorch's at::linear against
+// llava::Linear (engine/cpu_gemv.h for up to 8 rows; more rows: oneDNN on AVX512-BF16,
+// PanelLinear on the other paths). Medians of reps.
 void MatmulSuite(int reps, int threads) {
   if (llava::CpuPathAtLeast(llava::CpuPath::kAvx512Bf16)) {
     std::vector<double> one, all;
@@ -307,13 +308,20 @@ void MatmulSuite(int reps, int threads) {
       }
       return Median(runs);
     };
-    const double onednn = time([&] { (void)at::linear(x, lin.weight); });
+    // The reference: ATen's bf16 product (oneDNN) on AVX512-BF16; on the other paths, where
+    // it has no fast path, the same product on weights stored in fp32 (what --dtype f32 runs).
+    const bool bf16_ref = llava::CpuPathAtLeast(llava::CpuPath::kAvx512Bf16);
+    const llava::Linear lin_f32{lin.weight.to(at::kFloat), at::Tensor()};
+    const at::Tensor xf = x.to(at::kFloat);
+    const double ref = bf16_ref ? time([&] { (void)at::linear(x, lin.weight); })
+                                : time([&] { (void)lin_f32(xf); });
     const double ours = time([&] { (void)lin(x); });
     std::printf(
-        "suite=matmul shape=%s m=%lld n=%lld k=%lld at_linear_gflops=%.1f "
+        "suite=matmul shape=%s m=%lld n=%lld k=%lld %s_gflops=%.1f "
         "linear_gflops=%.1f ratio=%.2f\n",
         sh.name, static_cast<long long>(sh.m), static_cast<long long>(sh.n),
-        static_cast<long long>(sh.k), onednn, ours, ours / onednn);
+        static_cast<long long>(sh.k), bf16_ref ? "at_linear" : "f32_weights", ref, ours,
+        ours / ref);
   }
 }
 

@@ -1,5 +1,7 @@
 #include "engine/llava_model.h"
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 #include <limits>
 
@@ -88,13 +90,19 @@ bool Ignorable(const std::string& name, const LlavaConfig& c) {
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
   const int64_t k = weight.size(1), rows = x.numel() / std::max<int64_t>(k, 1);
-  // Not under autograd: the trainer's forward needs at::linear's backward.
-  const bool plain_bf16 = IsPlainCpuBf16(x) && IsPlainCpuBf16(weight) && weight.is_contiguous() &&
-                          k >= 1 && rows >= 1 && (!bias.defined() || IsPlainCpuBf16(bias));
-  if (!plain_bf16) return at::linear(x, weight, bias);
+  // Under autograd (the trainer's forward) or off the CPU: at::linear, whose backward and
+  // device kernels those need.
+  if (!x.is_cpu() || !weight.is_cpu() || x.requires_grad() || weight.requires_grad() ||
+      (bias.defined() && bias.requires_grad()) || k < 1 || rows < 1 || !weight.is_contiguous()) {
+    return at::linear(x, weight, bias);
+  }
+  const bool bf16 =
+      IsPlainCpuBf16(x) && IsPlainCpuBf16(weight) && (!bias.defined() || IsPlainCpuBf16(bias));
+  const bool f32 = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                   (!bias.defined() || bias.scalar_type() == at::kFloat);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = weight.size(0);
-  if (rows <= kGemvMaxRows) {
+  if (bf16 && rows <= kGemvMaxRows) {
     at::Tensor xc = x.contiguous();
     at::Tensor y = at::empty(shape, x.options());
     Bf16Gemv(static_cast<const uint16_t*>(xc.data_ptr()),
@@ -103,22 +111,30 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
              static_cast<uint16_t*>(y.data_ptr()), rows, weight.size(0), k);
     return y;
   }
-  if (CpuPathAtLeast(CpuPath::kAvx512Bf16)) return at::linear(x, weight, bias);  // oneDNN
-  return Bf16LinearViaF32(x.reshape({rows, k}), weight, bias).view(shape);
+  if (bf16 && CpuPathAtLeast(CpuPath::kAvx512Bf16)) return at::linear(x, weight, bias);  // oneDNN
+  if (bf16 || f32) return PanelLinear(x.reshape({rows, k}), weight, bias).view(shape);
+  return at::linear(x, weight, bias);
 }
 
-at::Tensor Bf16LinearViaF32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t n = weight.size(0), k = weight.size(1);
   const at::Tensor xf = x.to(at::kFloat);
   at::Tensor y = at::empty({x.size(0), n}, xf.options());
-  const int64_t panel = std::max<int64_t>(64, kLinearPanelFloats / k);
-  for (int64_t n0 = 0; n0 < n; n0 += panel) {
-    const int64_t p = std::min(panel, n - n0);
-    at::Tensor out = y.narrow(1, n0, p);
-    at::mm_out(out, xf, weight.narrow(0, n0, p).to(at::kFloat).t());
-  }
+  // At least one panel per thread, and panels of at most kLinearPanelFloats widened weights.
+  const int64_t threads = at::get_num_threads();
+  int64_t panels =
+      std::max<int64_t>(threads, (n * k + kLinearPanelFloats - 1) / kLinearPanelFloats);
+  panels = (panels + threads - 1) / threads * threads;
+  const int64_t panel = (n + panels - 1) / panels;
+  at::parallel_for(0, (n + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * panel, width = std::min(panel, n - n0);
+      at::Tensor out = y.narrow(1, n0, width);
+      at::mm_out(out, xf, weight.narrow(0, n0, width).to(at::kFloat).t());
+    }
+  });
   if (bias.defined()) y.add_(bias.to(at::kFloat));
-  return y.to(at::kBFloat16);
+  return y.to(x.scalar_type());
 }
 
 at::Tensor LayerNorm::operator()(const at::Tensor& x) const {

@@ -32,19 +32,21 @@ struct ModelOptions {
 struct Linear {
   at::Tensor weight;  // [out, in]
   at::Tensor bias;    // [out] or undefined
-  // x [.., in] -> [.., out]. Outside autograd, bf16 on the CPU: up to kGemvMaxRows rows take
-  // our weight-streaming kernel (cpu_gemv.h) on every CPU path; more rows take oneDNN's bf16
-  // GEMM on AVX512-BF16 and Bf16LinearViaF32 on the other paths. Everything else (fp32, the
-  // trainer's autograd, CUDA) takes at::linear.
+  // x [.., in] -> [.., out]. On the CPU outside autograd: bf16 rows up to kGemvMaxRows take
+  // our weight-streaming kernel (cpu_gemv.h) on every CPU path; more bf16 rows take oneDNN's
+  // bf16 GEMM on AVX512-BF16 and PanelLinear on the other paths; fp32 takes PanelLinear.
+  // Everything else (the trainer's autograd, CUDA) takes at::linear.
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
-// Prefill rows on CPUs without AVX512-BF16, where ATen's bf16 matmul has no fast path: the
-// weights stay bf16 in memory and are widened to fp32 one panel of kLinearPanelFloats / k rows
-// at a time (cache-sized) for the fp32 BLAS. x [rows, in], weight [out, in], bias [out] or
-// undefined, all bf16 -> [rows, out] bf16.
-constexpr int64_t kLinearPanelFloats = int64_t{1} << 20;  // 4 MiB of fp32 weights
-at::Tensor Bf16LinearViaF32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+// y = x W^T (+ b) on the CPU in fp32, split into panels of W's rows that the intra-op threads
+// share (OpenBLAS runs on the calling thread: engine/runtime.h). bf16 weights stay bf16 in
+// memory and are widened one panel at a time, at most kLinearPanelFloats floats: the prefill
+// product of the CPU paths without AVX512-BF16, where ATen's bf16 matmul has no fast path.
+// x [rows, in], weight [out, in], bias [out] or undefined; bf16 or fp32 -> [rows, out] in x's
+// dtype.
+constexpr int64_t kLinearPanelFloats = int64_t{1} << 22;  // 16 MiB of fp32 weights
+at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 struct LayerNorm {
   at::Tensor weight, bias;  // [dim]

@@ -78,24 +78,25 @@ TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCountOnEveryPath) {
   }
 }
 
-// The prefill product of the paths without AVX512-BF16: bf16 weights widened a panel at a
-// time, with a width that is not a multiple of the panel and a bias.
-TEST(Bf16LinearViaF32, MatchesFp32Reference) {
+// The prefill product of the paths without AVX512-BF16 (bf16 weights widened a panel at a
+// time) and of fp32 models, with a width that is not a multiple of the panel and a bias.
+TEST(PanelLinear, MatchesFp32Reference) {
   InitTorchThreads(2);
   at::manual_seed(4);
-  const int64_t k = 96, n = kLinearPanelFloats / k * 2 + 37;  // two panels and a part
-  at::Tensor x = at::randn({21, k}).to(at::kBFloat16);
-  at::Tensor w = (at::randn({n, k}) * 0.1).to(at::kBFloat16);
-  at::Tensor b = at::randn({n}).to(at::kBFloat16);
-  for (bool with_bias : {false, true}) {
-    at::Tensor y = Bf16LinearViaF32(x, w, with_bias ? b : at::Tensor());
-    at::Tensor ref =
-        at::linear(x.to(at::kFloat), w.to(at::kFloat), with_bias ? b.to(at::kFloat) : at::Tensor());
-    ASSERT_EQ(y.sizes(), ref.sizes());
-    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
-    EXPECT_LT((y.to(at::kFloat) - ref).abs().max().item<double>(),
-              ref.abs().max().item<double>() / 128)
-        << with_bias;
+  const int64_t k = 96, n = kLinearPanelFloats / k * 2 + 37;  // two full panels and a part
+  for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    at::Tensor x = at::randn({21, k}).to(dtype);
+    at::Tensor w = (at::randn({n, k}) * 0.1).to(dtype);
+    at::Tensor b = at::randn({n}).to(dtype);
+    for (bool with_bias : {false, true}) {
+      at::Tensor y = PanelLinear(x, w, with_bias ? b : at::Tensor());
+      at::Tensor ref = at::linear(x.to(at::kFloat), w.to(at::kFloat),
+                                  with_bias ? b.to(at::kFloat) : at::Tensor());
+      ASSERT_EQ(y.sizes(), ref.sizes());
+      EXPECT_EQ(y.scalar_type(), dtype);
+      const double tol = dtype == at::kFloat ? 1e-4 : ref.abs().max().item<double>() / 128;
+      EXPECT_LT((y.to(at::kFloat) - ref).abs().max().item<double>(), tol) << with_bias;
+    }
   }
 }
 
@@ -103,7 +104,7 @@ TEST(Bf16Gemv, LinearDispatchesEveryRowCount) {
   InitTorchThreads(2);
   at::manual_seed(1);
   Linear lin{(at::randn({48, 64}) * 0.1).to(at::kBFloat16), at::randn({48}).to(at::kBFloat16)};
-  for (int64_t rows : {1, 3, 8, 9, 40}) {  // 9 and 40: oneDNN or Bf16LinearViaF32
+  for (int64_t rows : {1, 3, 8, 9, 40}) {  // 9 and 40: oneDNN or PanelLinear
     at::Tensor x = at::randn({rows, 64}).to(at::kBFloat16);
     at::Tensor ref =
         at::linear(x.to(at::kFloat), lin.weight.to(at::kFloat), lin.bias.to(at::kFloat));
