@@ -31,7 +31,7 @@ for i in $(seq "$runs"); do
   echo "== run $i $(date -u +%H:%M:%S)"
   env "${ours_env[@]}" build/llava-bench --threads 2 --batches 1 8 | grep -E '^(cpu_path|layers)='
   "$llama_bench" -m "$gguf" -t 2 -p 512 -n 128 -r 3 -o csv 2>/dev/null |
-    awk -F, 'NR == 1 { for (c = 1; c <= NF; ++c) col[$c] = c; next }
-             { printf "llama.cpp n_prompt=%s n_gen=%s avg_ts=%s\n", $col["\"n_prompt\""],
-               $col["\"n_gen\""], $col["\"avg_ts\""] }'
+    awk -F, '{ gsub(/"/, "") } NR == 1 { for (c = 1; c <= NF; ++c) col[$c] = c; next }
+             { printf "llama.cpp n_prompt=%s n_gen=%s avg_ts=%s\n",
+               $col["n_prompt"], $col["n_gen"], $col["avg_ts"] }'
 done
