@@ -292,6 +292,10 @@ void MatmulSuite(int reps, int threads) {
       {"7b.o", 512, 4096, 4096},
       {"7b.gate_up", 512, 22016, 4096},
       {"7b.down", 512, 4096, 11008},
+      // LLaVA-1.5-7B's decode at batch 1 and 8 (the GEMV)
+      {"7b.gate_up.decode1", 1, 22016, 4096},
+      {"7b.gate_up.decode8", 8, 22016, 4096},
+      {"7b.down.decode8", 8, 4096, 11008},
   };
   for (const Shape& sh : shapes) {
     at::Tensor x = at::randn({sh.m, sh.k}).to(at::kBFloat16);
