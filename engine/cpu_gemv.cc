@@ -165,6 +165,17 @@ inline uint16_t FloatToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// The activations x [count] (bf16) widened to fp32 in a buffer of the calling thread, reused
+// from call to call: a decode step makes this call for every linear layer, and a fresh
+// allocation of up to 8 x 11008 floats each time cost page faults. Valid until the thread's
+// next call.
+const float* WidenToFloat(const uint16_t* x, int64_t count) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) buffer[i] = Bf16ToFloat(x[i]);
+  return buffer.data();
+}
+
 // Outputs [r0, r0 + R) of M rows of x, with x already in fp32 (xf [M, k]): R x M accumulators
 // of 8 lanes (R * M <= 12 of the 16 ymm registers); each weight vector is widened once and
 // feeds M FMAs whose x operand comes straight from memory (L1/L2).
@@ -218,23 +229,21 @@ void SkinnyAvx2(const float* xf, const uint16_t* w, const uint16_t* bias, uint16
 
 void Bf16GemvAvx2(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                   int64_t m, int64_t n, int64_t k) {
-  std::vector<float> xf(static_cast<size_t>(m * k));
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = Bf16ToFloat(x[i]);
-  ForRows(m, [&](auto rows) { SkinnyAvx2<rows.value>(xf.data(), w, bias, y, n, k); });
+  const float* xf = WidenToFloat(x, m * k);
+  ForRows(m, [&](auto rows) { SkinnyAvx2<rows.value>(xf, w, bias, y, n, k); });
 }
 
 // ---- Portable: plain loops (baseline x86-64 or any other CPU) ----
 
 void Bf16GemvGeneric(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                      int64_t m, int64_t n, int64_t k) {
-  std::vector<float> xf(static_cast<size_t>(m * k));
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = Bf16ToFloat(x[i]);
+  const float* xf = WidenToFloat(x, m * k);
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> row(static_cast<size_t>(k));
     for (int64_t r = n0; r < n1; ++r) {
       for (int64_t j = 0; j < k; ++j) row[j] = Bf16ToFloat(w[r * k + j]);
       for (int64_t i = 0; i < m; ++i) {
-        const float* xi = xf.data() + i * k;
+        const float* xi = xf + i * k;
         float s = 0.f;
         for (int64_t j = 0; j < k; ++j) s += xi[j] * row[j];
         if (bias != nullptr) s += Bf16ToFloat(bias[r]);
