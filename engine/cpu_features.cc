@@ -72,8 +72,8 @@ bool ParseCpuPath(const std::string& name, CpuPath* out) {
   return false;
 }
 
-bool ResolveDType(const std::string& name, const std::string& device, CpuPath path, DType* out,
-                  std::string* why) {
+bool ResolveDType(const std::string& name, const std::string& device, CpuPath path,
+                  int64_t parameters, DType* out, std::string* why) {
   std::string reason;
   if (name == "bf16" || name == "f32") {
     *out = name == "bf16" ? DType::kBF16 : DType::kF32;
@@ -83,10 +83,18 @@ bool ResolveDType(const std::string& name, const std::string& device, CpuPath pa
   } else if (device.rfind("cuda", 0) == 0) {
     *out = DType::kBF16;
     reason = "bf16 (auto: GPU)";
-  } else if (path >= CpuPath::kAvx2) {
+  } else if (path == CpuPath::kAvx512Bf16) {
+    *out = DType::kBF16;
+    reason = "bf16 (auto: the avx512bf16 kernels multiply bf16 natively)";
+  } else if (path >= CpuPath::kAvx2 && (parameters < 0 || parameters > kAutoF32MaxParameters)) {
     *out = DType::kBF16;
     reason = std::string("bf16 (auto: the ") + CpuPathName(path) +
              " kernels read bf16 weights and compute in fp32)";
+  } else if (path >= CpuPath::kAvx2) {
+    *out = DType::kF32;
+    reason = "f32 (auto: " + std::to_string(parameters) +
+             " parameters, small enough to stay in the caches as fp32 on the " + CpuPathName(path) +
+             " path)";
   } else {
     *out = DType::kF32;
     reason = "f32 (auto: the generic CPU path has no vector bf16 kernels)";

@@ -8,6 +8,7 @@
 // can, with a warning, never an illegal instruction.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "engine/safetensors.h"  // DType
@@ -36,11 +37,17 @@ bool ParseCpuPath(const std::string& name, CpuPath* out);
 CpuPath ClampCpuPath(CpuPath requested, CpuPath detected);
 
 // The --dtype flag of the server and tools: "bf16" and "f32" force the weights' storage type;
-// "auto" picks it for the device and CPU path: bf16 on a GPU and on every vector CPU path
-// (the kernels read bf16 weights and compute in fp32 registers, and decoding is bound by the
-// bytes read), f32 on the generic path (ATen's fp32 BLAS; its bf16 products are slow there).
+// "auto" picks it for the device, the CPU path and the checkpoint's size:
+// - bf16 on a GPU and on the AVX512-BF16 path (native bf16 products);
+// - on the AVX2 and AVX-512 paths, bf16 (the kernels read bf16 weights and compute in fp32
+//   registers, and decoding is bound by the bytes read), except for a checkpoint of at most
+//   kAutoF32MaxParameters parameters (`parameters`; -1 when unknown), whose fp32 weights sit in
+//   the caches anyway: fp32 saves widening every weight panel in each prefill
+//   (docs/BENCHMARKS.md, "The default model's TTFT");
+// - f32 on the generic path (ATen's fp32 BLAS; its bf16 products are slow there).
 // False for another name. `why` (may be null) gets a one-line reason for the start-up log.
-bool ResolveDType(const std::string& name, const std::string& device, CpuPath path, DType* out,
-                  std::string* why);
+inline constexpr int64_t kAutoF32MaxParameters = int64_t{16} << 20;
+bool ResolveDType(const std::string& name, const std::string& device, CpuPath path,
+                  int64_t parameters, DType* out, std::string* why);
 
 }  // namespace llava

@@ -144,12 +144,6 @@ void ForRows(int64_t m, F&& f) {
 
 // ---- AVX2 + FMA (and AVX-512 CPUs without BF16): bf16 -> fp32 in registers ----
 
-// 8 bf16 values widened to fp32 (exact: a bf16 is the top half of a float).
-__attribute__((target("avx2,fma"))) inline __m256 Load8Bf16(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 __attribute__((target("avx2,fma"))) inline float Sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -176,54 +170,81 @@ const float* WidenToFloat(const uint16_t* x, int64_t count) {
   return buffer.data();
 }
 
-// Outputs [r0, r0 + R) of M rows of x, with x already in fp32 (xf [M, k]): R x M accumulators
-// of 8 lanes (R * M <= 12 of the 16 ymm registers); each weight vector is widened once and
-// feeds M FMAs whose x operand comes straight from memory (L1/L2).
-template <int M, int R>
-__attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const uint16_t* w,
-                                                         const uint16_t* bias, uint16_t* y,
-                                                         int64_t n, int64_t k, int64_t r0) {
+// 8 weights as fp32: bf16 widened (exact: a bf16 is the top half of a float), or fp32 as is.
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+inline float ToFloat(uint16_t v) { return Bf16ToFloat(v); }
+inline float ToFloat(float v) { return v; }
+inline void Store(uint16_t* out, float v) { *out = FloatToBf16(v); }
+inline void Store(float* out, float v) { *out = v; }
+
+// Outputs [r0, r0 + R) of M rows of x, with x in fp32 (xf [M, k]; row i at xf + i * k, its
+// outputs at y + i * n) and the weights and outputs in T (bf16 bit patterns or fp32): R x M
+// accumulators of 8 lanes. Per 8 columns, the R weight vectors are loaded (and widened) once
+// and each x vector is loaded once, so a tile of R * M FMAs costs R + M loads.
+template <int M, int R, typename T>
+__attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const T* w, const T* bias,
+                                                         T* y, int64_t n, int64_t k, int64_t r0) {
   __m256 acc[R][M];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) acc[r][i] = _mm256_setzero_ps();
   }
-  const uint16_t* wr = w + r0 * k;
+  const T* wr = w + r0 * k;
   const int64_t k8 = k - k % 8;
+  constexpr int64_t kAhead = 1024;  // weights prefetched ahead: 2 KiB of bf16, 4 KiB of fp32
   for (int64_t kk = 0; kk < k8; kk += 8) {
+    __m256 wv[R];
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + r * k + kk + 1024), _MM_HINT_T1);
-      const __m256 wv = Load8Bf16(wr + r * k + kk);
+      _mm_prefetch(reinterpret_cast<const char*>(wr + r * k + kk + kAhead), _MM_HINT_T1);
+      wv[r] = Load8(wr + r * k + kk);
+    }
 #pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) {
-        acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + i * k + kk), wv, acc[r][i]);
-      }
+    for (int i = 0; i < M; ++i) {
+      const __m256 xv = _mm256_loadu_ps(xf + i * k + kk);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm256_fmadd_ps(xv, wv[r], acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int i = 0; i < M; ++i) {
       float s = Sum8(acc[r][i]);
-      for (int64_t kk = k8; kk < k; ++kk) s += xf[i * k + kk] * Bf16ToFloat(wr[r * k + kk]);
-      if (bias != nullptr) s += Bf16ToFloat(bias[r0 + r]);
-      y[i * n + r0 + r] = FloatToBf16(s);
+      for (int64_t kk = k8; kk < k; ++kk) s += xf[i * k + kk] * ToFloat(wr[r * k + kk]);
+      if (bias != nullptr) s += ToFloat(bias[r0 + r]);
+      Store(&y[i * n + r0 + r], s);
     }
   }
 }
 
-// R: 8 weight rows for one x row (decode at batch 1 is bound by streaming them), fewer as
-// rows are added so that R * M accumulators stay in registers.
-template <int M>
-void SkinnyAvx2(const float* xf, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t n,
-                int64_t k) {
-  constexpr int R = M == 1 ? 8 : M == 2 ? 6 : M == 3 ? 4 : M == 4 ? 3 : M <= 6 ? 2 : 1;
+// R weight rows per tile: 8 for one x row (decode at batch 1 is bound by streaming them), fewer
+// as rows are added so that the R * M accumulators, R weight vectors and one x vector fit the 16
+// ymm registers. More than 4 rows of x run as two groups (4 and M - 4) over the same R weight
+// rows, which the second group reads from L1: one tile of 8 x 1 would cost 9 loads per 8 FMAs,
+// two of 4 x 3 cost 7 per 12 (docs/BENCHMARKS.md, "Batch 8 on the AVX2 path").
+template <int M, typename T>
+void SkinnyAvx2(const float* xf, const T* w, const T* bias, T* y, int64_t n, int64_t k) {
+  constexpr int kFirst = M > 4 ? 4 : M, kSecond = M - kFirst;
+  constexpr int R = M == 1 ? 8 : M == 2 ? 6 : M == 3 ? 4 : 3;
+  auto tile = [&](auto rows, int64_t r0) {
+    constexpr int kR = decltype(rows)::value;
+    TileAvx2<kFirst, kR>(xf, w, bias, y, n, k, r0);
+    if constexpr (kSecond > 0) {
+      TileAvx2<kSecond, kR>(xf + kFirst * k, w, bias, y + kFirst * n, n, k, r0);
+    }
+  };
   const int64_t blocks = (n + R - 1) / R;
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     const int64_t n1 = std::min(n, b1 * R);
     int64_t r0 = b0 * R;
-    for (; r0 + R <= n1; r0 += R) TileAvx2<M, R>(xf, w, bias, y, n, k, r0);
-    for (; r0 < n1; ++r0) TileAvx2<M, 1>(xf, w, bias, y, n, k, r0);
+    for (; r0 + R <= n1; r0 += R) tile(std::integral_constant<int, R>{}, r0);
+    for (; r0 < n1; ++r0) tile(std::integral_constant<int, 1>{}, r0);
   });
 }
 
@@ -235,19 +256,20 @@ void Bf16GemvAvx2(const uint16_t* x, const uint16_t* w, const uint16_t* bias, ui
 
 // ---- Portable: plain loops (baseline x86-64 or any other CPU) ----
 
-void Bf16GemvGeneric(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-                     int64_t m, int64_t n, int64_t k) {
-  const float* xf = WidenToFloat(x, m * k);
+// x [m, k] in fp32 (widened), weights, bias and outputs in T.
+template <typename T>
+void GemvGeneric(const float* xf, const T* w, const T* bias, T* y, int64_t m, int64_t n,
+                 int64_t k) {
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> row(static_cast<size_t>(k));
     for (int64_t r = n0; r < n1; ++r) {
-      for (int64_t j = 0; j < k; ++j) row[j] = Bf16ToFloat(w[r * k + j]);
+      for (int64_t j = 0; j < k; ++j) row[j] = ToFloat(w[r * k + j]);
       for (int64_t i = 0; i < m; ++i) {
         const float* xi = xf + i * k;
         float s = 0.f;
         for (int64_t j = 0; j < k; ++j) s += xi[j] * row[j];
-        if (bias != nullptr) s += Bf16ToFloat(bias[r]);
-        y[i * n + r] = FloatToBf16(s);
+        if (bias != nullptr) s += ToFloat(bias[r]);
+        Store(&y[i * n + r], s);
       }
     }
   });
@@ -258,9 +280,16 @@ void Bf16GemvGeneric(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
 void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t m,
               int64_t n, int64_t k, CpuPath path) {
   path = ClampCpuPath(path, DetectedCpuPath());
-  if (path == CpuPath::kGeneric) return Bf16GemvGeneric(x, w, bias, y, m, n, k);
+  if (path == CpuPath::kGeneric) return GemvGeneric(WidenToFloat(x, m * k), w, bias, y, m, n, k);
   if (path != CpuPath::kAvx512Bf16) return Bf16GemvAvx2(x, w, bias, y, m, n, k);
   ForRows(m, [&](auto rows) { Skinny<rows.value>(x, w, bias, y, n, k); });
+}
+
+void F32Gemv(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
+             int64_t k, CpuPath path) {
+  path = ClampCpuPath(path, DetectedCpuPath());
+  if (path == CpuPath::kGeneric) return GemvGeneric(x, w, bias, y, m, n, k);
+  ForRows(m, [&](auto rows) { SkinnyAvx2<rows.value>(x, w, bias, y, n, k); });
 }
 
 }  // namespace llava

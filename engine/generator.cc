@@ -3,7 +3,9 @@
 #include <chrono>
 #include <cmath>
 
+#include "engine/cpu_features.h"
 #include "engine/llava_model.h"
+#include "engine/weights.h"
 
 namespace llava {
 namespace {
@@ -37,6 +39,16 @@ StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
   }
   if (c.image_token_index < 0) return InvalidArgument(dir + ": image_token_index is negative");
   return loaded;
+}
+
+bool ResolveModelDType(const std::string& name, const std::string& dir, ModelOptions* options,
+                       std::string* why) {
+  int64_t parameters = -1;
+  if (name == "auto") {
+    auto counted = CheckpointParameterCount(dir);
+    if (counted.ok()) parameters = *counted;
+  }
+  return ResolveDType(name, options->device, ActiveCpuPath(), parameters, &options->dtype, why);
 }
 
 double AnswerScore::Perplexity() const { return tokens > 0 ? std::exp(nll_sum / tokens) : 0.0; }

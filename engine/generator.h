@@ -34,6 +34,11 @@ struct LoadedModel {
 };
 StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
                                                  const ModelOptions& options);
+// Sets options->dtype from a --dtype name (ResolveDType in cpu_features.h) for the folder `dir`
+// on options->device and the active CPU path, with the folder's parameter count (-1 when its
+// headers cannot be read: LoadModel then says why). False for an unknown name.
+bool ResolveModelDType(const std::string& name, const std::string& dir, ModelOptions* options,
+                       std::string* why);
 
 struct GenerationRequest {
   std::vector<ChatMessage> messages;

@@ -111,6 +111,14 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
              static_cast<uint16_t*>(y.data_ptr()), rows, weight.size(0), k);
     return y;
   }
+  if (f32 && rows <= kGemvMaxRows) {
+    at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty(shape, x.options());
+    F32Gemv(xc.data_ptr<float>(), weight.data_ptr<float>(),
+            bias.defined() ? bias.contiguous().data_ptr<float>() : nullptr, y.data_ptr<float>(),
+            rows, weight.size(0), k);
+    return y;
+  }
   if (bf16 && CpuPathAtLeast(CpuPath::kAvx512Bf16)) return at::linear(x, weight, bias);  // oneDNN
   if (bf16 || f32) return PanelLinear(x.reshape({rows, k}), weight, bias).view(shape);
   return at::linear(x, weight, bias);

@@ -34,7 +34,8 @@ struct Linear {
   at::Tensor bias;    // [out] or undefined
   // x [.., in] -> [.., out]. On the CPU outside autograd: bf16 rows up to kGemvMaxRows take
   // our weight-streaming kernel (cpu_gemv.h) on every CPU path; more bf16 rows take oneDNN's
-  // bf16 GEMM on AVX512-BF16 and PanelLinear on the other paths; fp32 takes PanelLinear.
+  // bf16 GEMM on AVX512-BF16 and PanelLinear on the other paths; fp32 rows up to kGemvMaxRows
+  // take the same kernel in fp32 (F32Gemv), more take PanelLinear.
   // Everything else (the trainer's autograd, CUDA) takes at::linear.
   at::Tensor operator()(const at::Tensor& x) const;
 };

@@ -161,6 +161,17 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::st
   return r;
 }
 
+int64_t CheckpointReader::ParameterCount() const {
+  int64_t n = 0;
+  for (const auto& [name, info] : tensors_) n += info->numel();
+  return n;
+}
+
+StatusOr<int64_t> CheckpointParameterCount(const std::string& dir) {
+  LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(dir));
+  return reader->ParameterCount();
+}
+
 const TensorInfo* CheckpointReader::Find(const std::string& canonical) const {
   auto it = tensors_.find(canonical);
   return it == tensors_.end() ? nullptr : it->second;

@@ -64,6 +64,8 @@ class CheckpointReader final : public WeightSource {
   Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const override;
 
   const std::string& dir() const { return dir_; }
+  // The number of elements of every tensor in the folder (read from the headers).
+  int64_t ParameterCount() const;
 
  private:
   CheckpointReader() = default;
@@ -73,5 +75,9 @@ class CheckpointReader final : public WeightSource {
   std::unordered_map<std::string, std::string> original_names_;
   std::set<std::string> taken_;
 };
+
+// ParameterCount() of the checkpoint folder `dir`, from the safetensors headers alone (the
+// files are mapped, not read): what `--dtype auto` needs before the weights are loaded.
+StatusOr<int64_t> CheckpointParameterCount(const std::string& dir);
 
 }  // namespace llava

@@ -92,8 +92,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-image-pixels", max_image_pixels)
       ->envname(env("MAX_IMAGE_PIXELS"))
       ->capture_default_str();
-  app.add_option("--dtype", dtype,
-                 "auto (bf16 on GPUs and vector CPU paths, f32 on the generic one) | bf16 | f32")
+  app.add_option(
+         "--dtype", dtype,
+         "auto (bf16 on GPUs and vector CPU paths, f32 on the generic one and for models of "
+         "at most 16 Mi parameters on the avx2/avx512 paths) | bf16 | f32")
       ->envname(env("DTYPE"))
       ->check(CLI::IsMember({"auto", "bf16", "f32"}))
       ->capture_default_str();
@@ -116,10 +118,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   llava::ModelOptions options;
-  std::string dtype_why;
-  llava::ResolveDType(dtype, device, llava::ActiveCpuPath(), &options.dtype, &dtype_why);
-  dtype = options.dtype == llava::DType::kF32 ? "f32" : "bf16";
   options.device = device;
+  std::string dtype_why;
+  llava::ResolveModelDType(dtype, model_dir, &options, &dtype_why);
+  dtype = options.dtype == llava::DType::kF32 ? "f32" : "bf16";
   spdlog::info("cpu kernels: {} (this CPU: {}); weights: {}",
                llava::CpuPathName(llava::ActiveCpuPath()),
                llava::CpuPathName(llava::DetectedCpuPath()), dtype_why);

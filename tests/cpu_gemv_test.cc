@@ -49,6 +49,34 @@ TEST(CpuFeatures, NamesRoundTripAndRequestsAreClampedToTheCpu) {
   }
 }
 
+TEST(CpuFeatures, AutoDTypeFollowsTheDeviceThePathAndTheModelSize) {
+  const int64_t small = kAutoF32MaxParameters, large = kAutoF32MaxParameters + 1;
+  auto resolve = [](const std::string& name, const std::string& device, CpuPath path,
+                    int64_t parameters) {
+    DType d = DType::kF16;  // neither answer: the call must set it
+    std::string why;
+    EXPECT_TRUE(ResolveDType(name, device, path, parameters, &d, &why)) << name;
+    EXPECT_FALSE(why.empty());
+    return d;
+  };
+  for (CpuPath p : {CpuPath::kGeneric, CpuPath::kAvx2, CpuPath::kAvx512, CpuPath::kAvx512Bf16}) {
+    EXPECT_EQ(resolve("bf16", "cpu", p, small), DType::kBF16);
+    EXPECT_EQ(resolve("f32", "cpu", p, large), DType::kF32);
+    EXPECT_EQ(resolve("auto", "cuda:1", p, small), DType::kBF16);
+  }
+  // Native bf16 products: bf16 whatever the size.
+  EXPECT_EQ(resolve("auto", "cpu", CpuPath::kAvx512Bf16, 1000), DType::kBF16);
+  // Widening paths: fp32 for a model that stays in the caches, bf16 when the size is unknown.
+  for (CpuPath p : {CpuPath::kAvx2, CpuPath::kAvx512}) {
+    EXPECT_EQ(resolve("auto", "cpu", p, small), DType::kF32);
+    EXPECT_EQ(resolve("auto", "cpu", p, large), DType::kBF16);
+    EXPECT_EQ(resolve("auto", "cpu", p, -1), DType::kBF16);
+  }
+  EXPECT_EQ(resolve("auto", "cpu", CpuPath::kGeneric, large), DType::kF32);
+  DType d;
+  EXPECT_FALSE(ResolveDType("fp16", "cpu", CpuPath::kAvx2, small, &d, nullptr));
+}
+
 TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCountOnEveryPath) {
   InitTorchThreads(2);
   at::manual_seed(0);
@@ -71,6 +99,33 @@ TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCountOnEveryPath) {
           // bf16 output rounding: relative error below 2^-8 of the row scale.
           const double err = (y.to(at::kFloat) - ref).abs().max().item<double>();
           EXPECT_LT(err, ref.abs().max().item<double>() / 128)
+              << CpuPathName(path) << " m=" << m << " n=" << n << " k=" << k;
+        }
+      }
+    }
+  }
+}
+
+// The fp32 kernel (fp32 models' decode rows) in the same shapes: only the summation order
+// differs from ATen's, so the error is a few fp32 ulps of the row's magnitude.
+TEST(F32Gemv, MatchesATenForEveryRowCountOnEveryPath) {
+  InitTorchThreads(2);
+  at::manual_seed(1);
+  for (CpuPath path : RunnablePaths()) {
+    for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
+      for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{
+               {37, 64}, {4099, 96}, {64, 4096}, {40, 688}, {5, 7}, {19, 100}}) {
+        at::Tensor x = at::randn({m, k}), w = at::randn({n, k}) * 0.1, b = at::randn({n});
+        for (bool with_bias : {false, true}) {
+          at::Tensor y = at::empty({m, n});
+          F32Gemv(x.data_ptr<float>(), w.data_ptr<float>(),
+                  with_bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), m, n, k, path);
+          at::Tensor ref = at::linear(x.to(at::kDouble), w.to(at::kDouble),
+                                      with_bias ? b.to(at::kDouble) : at::Tensor());
+          const double err = (y.to(at::kDouble) - ref).abs().max().item<double>();
+          const double scale =
+              (x.abs().to(at::kDouble).matmul(w.abs().to(at::kDouble).t())).max().item<double>();
+          EXPECT_LT(err, scale * 1e-5)
               << CpuPathName(path) << " m=" << m << " n=" << n << " k=" << k;
         }
       }
@@ -114,6 +169,20 @@ TEST(Bf16Gemv, LinearDispatchesEveryRowCount) {
     EXPECT_LT((y.to(at::kFloat) - ref).abs().max().item<double>(),
               ref.abs().max().item<double>() / 64)
         << rows;
+  }
+}
+
+TEST(F32Gemv, LinearDispatchesEveryRowCount) {
+  InitTorchThreads(2);
+  at::manual_seed(2);
+  Linear lin{at::randn({48, 64}) * 0.1, at::randn({48})};
+  for (int64_t rows : {1, 3, 8, 9, 40}) {  // 9 and 40: PanelLinear
+    at::Tensor x = at::randn({rows, 64});
+    at::Tensor ref = at::linear(x, lin.weight, lin.bias);
+    at::Tensor y = lin(x.view({1, rows, 64}));
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{1, rows, 48}));
+    EXPECT_EQ(y.scalar_type(), at::kFloat);
+    EXPECT_LT((y[0] - ref).abs().max().item<double>(), 1e-4) << rows;
   }
 }
 

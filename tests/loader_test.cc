@@ -53,6 +53,22 @@ TEST(Loader, BothNamingGenerationsAndShardingLoad) {
   EXPECT_GT(Nmse(lb, la), 0.0) << "tiny-old is stored in bf16, so some rounding must show";
 }
 
+// The count comes from the headers of every shard: tiny-old (3 shards, bf16) and tiny-new (one
+// file, f32) hold the same tensors, as many elements as the writer's weights for the config.
+TEST(Loader, ParameterCountReadsEveryShardsHeader) {
+  const std::string dir = TestData() + "/tiny-new";
+  int64_t expected = 0;
+  for (const auto& [name, t] : RandomLlavaWeights(*LoadLlavaConfig(dir), 1, at::kFloat)) {
+    expected += t.numel();
+  }
+  auto a = CheckpointParameterCount(dir), b = CheckpointParameterCount(TestData() + "/tiny-old");
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(*a, expected);
+  EXPECT_EQ(*b, expected);
+  EXPECT_FALSE(CheckpointParameterCount(TestData() + "/no-such-model").ok());
+}
+
 class BrokenCheckpointTest : public ::testing::Test {
  protected:
   // A fresh copy of tiny-new in its own folder.

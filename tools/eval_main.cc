@@ -25,7 +25,6 @@
 #include <set>
 #include <sstream>
 
-#include "engine/cpu_features.h"
 #include "engine/eval_metrics.h"
 #include "engine/generator.h"
 #include "engine/llava_model.h"
@@ -245,7 +244,7 @@ int main(int argc, char** argv) {
   llava::InitTorchThreads(threads);
 
   llava::ModelOptions options;
-  llava::ResolveDType(dtype, options.device, llava::ActiveCpuPath(), &options.dtype, nullptr);
+  llava::ResolveModelDType(dtype, model_dir, &options, nullptr);
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {
     std::fprintf(stderr, "error: %s\n", loaded.status().ToString().c_str());

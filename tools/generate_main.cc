@@ -59,9 +59,9 @@ int main(int argc, char** argv) {
   llava::InitTorchThreads(threads);
 
   llava::ModelOptions options;
-  std::string dtype_why;
-  llava::ResolveDType(dtype, device, llava::ActiveCpuPath(), &options.dtype, &dtype_why);
   options.device = device;
+  std::string dtype_why;
+  llava::ResolveModelDType(dtype, model_dir, &options, &dtype_why);
   if (show_stats) {
     std::fprintf(stderr, "cpu kernels: %s; weights: %s\n",
                  llava::CpuPathName(llava::ActiveCpuPath()), dtype_why.c_str());
