@@ -93,8 +93,8 @@ bool ResolveDType(const std::string& name, const std::string& device, CpuPath pa
   } else if (path >= CpuPath::kAvx2) {
     *out = DType::kF32;
     reason = "f32 (auto: " + std::to_string(parameters) +
-             " parameters, small enough to stay in the caches as fp32 on the " + CpuPathName(path) +
-             " path)";
+             " parameters: a small model's first token comes sooner in fp32 on the " +
+             CpuPathName(path) + " path)";
   } else {
     *out = DType::kF32;
     reason = "f32 (auto: the generic CPU path has no vector bf16 kernels)";

@@ -41,9 +41,10 @@ CpuPath ClampCpuPath(CpuPath requested, CpuPath detected);
 // - bf16 on a GPU and on the AVX512-BF16 path (native bf16 products);
 // - on the AVX2 and AVX-512 paths, bf16 (the kernels read bf16 weights and compute in fp32
 //   registers, and decoding is bound by the bytes read), except for a checkpoint of at most
-//   kAutoF32MaxParameters parameters (`parameters`; -1 when unknown), whose fp32 weights sit in
-//   the caches anyway: fp32 saves widening every weight panel in each prefill
-//   (docs/BENCHMARKS.md, "The default model's TTFT");
+//   kAutoF32MaxParameters parameters (`parameters`; -1 when unknown): fp32 gives such a model
+//   its first token in about half the time (no bf16 round trip around every op of the
+//   prefill), at the price of decoding at ~0.6x (twice the bytes per step; docs/BENCHMARKS.md,
+//   "`--dtype auto` by model size");
 // - f32 on the generic path (ATen's fp32 BLAS; its bf16 products are slow there).
 // False for another name. `why` (may be null) gets a one-line reason for the start-up log.
 inline constexpr int64_t kAutoF32MaxParameters = int64_t{16} << 20;

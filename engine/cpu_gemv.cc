@@ -227,7 +227,7 @@ __attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const 
 // as rows are added so that the R * M accumulators, R weight vectors and one x vector fit the 16
 // ymm registers. More than 4 rows of x run as two groups (4 and M - 4) over the same R weight
 // rows, which the second group reads from L1: one tile of 8 x 1 would cost 9 loads per 8 FMAs,
-// two of 4 x 3 cost 7 per 12 (docs/BENCHMARKS.md, "Batch 8 on the AVX2 path").
+// two of 4 x 3 cost 7 per 12 (docs/BENCHMARKS.md, "Batch 8, second attempt").
 template <int M, typename T>
 void SkinnyAvx2(const float* xf, const T* w, const T* bias, T* y, int64_t n, int64_t k) {
   constexpr int kFirst = M > 4 ? 4 : M, kSecond = M - kFirst;

@@ -77,14 +77,17 @@ TEST(CpuFeatures, AutoDTypeFollowsTheDeviceThePathAndTheModelSize) {
   EXPECT_FALSE(ResolveDType("fp16", "cpu", CpuPath::kAvx2, small, &d, nullptr));
 }
 
+// [n, k] of the GEMV tests: k not a multiple of 32 or 8 (688: the default model's FFN; 7, 100)
+// takes the tails, 4099 rows a partial last tile.
+const std::vector<std::pair<int64_t, int64_t>> kGemvShapes = {{37, 64},  {4099, 96}, {64, 4096},
+                                                              {40, 688}, {5, 7},     {19, 100}};
+
 TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCountOnEveryPath) {
   InitTorchThreads(2);
   at::manual_seed(0);
   for (CpuPath path : RunnablePaths()) {
-    // k not a multiple of 32 or 8 (688: the default model's FFN; 7, 100) takes the tails.
     for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
-      for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{
-               {37, 64}, {4099, 96}, {64, 4096}, {40, 688}, {5, 7}, {19, 100}}) {
+      for (auto [n, k] : kGemvShapes) {
         at::Tensor x = at::randn({m, k}).to(at::kBFloat16);
         at::Tensor w = (at::randn({n, k}) * 0.1).to(at::kBFloat16);
         at::Tensor b = at::randn({n}).to(at::kBFloat16);
@@ -113,8 +116,7 @@ TEST(F32Gemv, MatchesATenForEveryRowCountOnEveryPath) {
   at::manual_seed(1);
   for (CpuPath path : RunnablePaths()) {
     for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
-      for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{
-               {37, 64}, {4099, 96}, {64, 4096}, {40, 688}, {5, 7}, {19, 100}}) {
+      for (auto [n, k] : kGemvShapes) {
         at::Tensor x = at::randn({m, k}), w = at::randn({n, k}) * 0.1, b = at::randn({n});
         for (bool with_bias : {false, true}) {
           at::Tensor y = at::empty({m, n});
