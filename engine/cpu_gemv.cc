@@ -13,6 +13,19 @@
 namespace llava {
 namespace {
 
+// Prefetches into L2 the weights `ahead` columns past column kk of row r of a tile of R rows
+// (w points at the tile's first row). Near the end of a row the same distance reaches into row r
+// of the next tile, whose rows would otherwise start cold: the hardware prefetcher follows each
+// row as its own stream and starts anew at every tile. At 7B decode shapes this gave +15-28% for
+// 8 rows and +17-25% for one (docs/BENCHMARKS.md, "Prefetch across tiles"). Past the last tile
+// the address lies beyond the weights, which a prefetch may do (it never faults).
+template <int R, typename T>
+inline void PrefetchWeights(const T* w, int r, int64_t k, int64_t kk, int64_t ahead) {
+  const int64_t col = kk + ahead;
+  const int64_t row = col < k ? r : r + R - 1;  // col >= k already walks one row on
+  _mm_prefetch(reinterpret_cast<const char*>(w + row * k + col), _MM_HINT_T1);
+}
+
 // Outputs [r0, r0 + R) of M rows of x: R x M accumulators (R * M <= 24 of the 32 zmm
 // registers), each k step loads R weight vectors and M x vectors.
 template <int M, int R>
@@ -37,7 +50,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void Tile(const ui
     for (int r = 0; r < R; ++r) {
       // Into L2, 4 KiB ahead: at LLaVA-7B shapes +11% for 4-8 rows over 1 KiB ahead into L1
       // (which competes with the loads for L1 miss buffers); no change for 1 row or small k.
-      _mm_prefetch(reinterpret_cast<const char*>(wr + r * k + kk + 2048), _MM_HINT_T1);
+      PrefetchWeights<R>(wr, r, k, kk, 2048);
       wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * k + kk);
     }
 #pragma GCC unroll 8
@@ -186,8 +199,9 @@ inline void Store(float* out, float v) { *out = v; }
 // Outputs [r0, r0 + R) of M rows of x, with x in fp32 (xf [M, k]; row i at xf + i * k, its
 // outputs at y + i * n) and the weights and outputs in T (bf16 bit patterns or fp32): R x M
 // accumulators of 8 lanes. Per 8 columns, the R weight vectors are loaded (and widened) once
-// and each x vector is loaded once, so a tile of R * M FMAs costs R + M loads.
-template <int M, int R, typename T>
+// and each x vector is loaded once, so a tile of R * M FMAs costs R + M loads. kPrefetch is
+// false where another tile has just read the same weight rows.
+template <int M, int R, bool kPrefetch = true, typename T>
 __attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const T* w, const T* bias,
                                                          T* y, int64_t n, int64_t k, int64_t r0) {
   __m256 acc[R][M];
@@ -203,7 +217,7 @@ __attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const 
     __m256 wv[R];
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + r * k + kk + kAhead), _MM_HINT_T1);
+      if constexpr (kPrefetch) PrefetchWeights<R>(wr, r, k, kk, kAhead);
       wv[r] = Load8(wr + r * k + kk);
     }
 #pragma GCC unroll 8
@@ -236,7 +250,8 @@ void SkinnyAvx2(const float* xf, const T* w, const T* bias, T* y, int64_t n, int
     constexpr int kR = decltype(rows)::value;
     TileAvx2<kFirst, kR>(xf, w, bias, y, n, k, r0);
     if constexpr (kSecond > 0) {
-      TileAvx2<kSecond, kR>(xf + kFirst * k, w, bias, y + kFirst * n, n, k, r0);
+      // The first group has brought these weight rows in; prefetching them again cost ~3%.
+      TileAvx2<kSecond, kR, false>(xf + kFirst * k, w, bias, y + kFirst * n, n, k, r0);
     }
   };
   const int64_t blocks = (n + R - 1) / R;
