@@ -75,7 +75,7 @@ ship-model: build
 build-cuda: deps
 	cmake -S . -B $(BUILD)-cuda -DCMAKE_BUILD_TYPE=Release -DLLAVA_WITH_CUDA=ON \
 	  -DLLAVA_BUILD_TESTS=OFF -DLLAVA_BUILD_BENCH=OFF
-	cmake --build $(BUILD)-cuda -j$(JOBS) --target llava_engine llava-generate
+	cmake --build $(BUILD)-cuda -j$(JOBS) --target llava-generate
 
 bench: build
 	./$(BUILD)/llava-bench

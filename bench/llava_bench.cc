@@ -16,14 +16,14 @@
 #include <chrono>
 #include <cstdio>
 
-#include "engine/cpu_features.h"
-#include "engine/cpu_gemv.h"
-#include "engine/decode_attention.h"
-#include "engine/generator.h"
-#include "engine/kv_cache.h"
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
-#include "engine/weights.h"
+#include "engine/kernels/cpu_features.h"
+#include "engine/kernels/cpu_gemv.h"
+#include "engine/kernels/decode_attention.h"
+#include "engine/kernels/runtime.h"
+#include "engine/kv/kv_cache.h"
+#include "engine/model/llava_model.h"
+#include "engine/model/weights.h"
+#include "engine/serving/generator.h"
 
 namespace {
 
@@ -259,7 +259,7 @@ double Bf16PeakGflops(int threads) {
 }
 
 // GFLOP/s of one bf16 matrix product y = x W^T, [m, k] x [n, k]: libtorch's at::linear against
-// llava::Linear (engine/cpu_gemv.h for up to 8 rows; more rows: oneDNN on AVX512-BF16,
+// llava::Linear (engine/kernels/cpu_gemv.h for up to 8 rows; more rows: oneDNN on AVX512-BF16,
 // PanelLinear on the other paths). Medians of reps.
 void MatmulSuite(int reps, int threads) {
   if (llava::CpuPathAtLeast(llava::CpuPath::kAvx512Bf16)) {

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "engine/image_io.h"
+#include "engine/io/image_io.h"
 
 namespace llava::server {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "engine/generator.h"
+#include "engine/serving/generator.h"
 #include "llava/v1/llava.pb.h"
 
 namespace llava::server {

@@ -5,8 +5,8 @@
 #include <deque>
 #include <mutex>
 
-#include "engine/cpu_features.h"
-#include "engine/llava_model.h"
+#include "engine/kernels/cpu_features.h"
+#include "engine/model/llava_model.h"
 
 namespace llava::server {
 namespace {

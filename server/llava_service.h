@@ -6,7 +6,7 @@
 #include <atomic>
 #include <string>
 
-#include "engine/engine.h"
+#include "engine/serving/engine.h"
 #include "llava/v1/llava.grpc.pb.h"
 #include "server/convert.h"
 #include "server/metrics.h"

@@ -12,10 +12,10 @@
 #include <csignal>
 #include <thread>
 
-#include "engine/cpu_features.h"
-#include "engine/engine.h"
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/kernels/cpu_features.h"
+#include "engine/kernels/runtime.h"
+#include "engine/model/llava_model.h"
+#include "engine/serving/engine.h"
 #include "server/llava_service.h"
 
 namespace {

@@ -19,7 +19,7 @@
 #include <string>
 #include <thread>
 
-#include "engine/engine.h"
+#include "engine/serving/engine.h"
 
 namespace llava::server {
 

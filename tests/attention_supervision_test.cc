@@ -5,8 +5,8 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/llava_model.h"
-#include "engine/weights.h"
+#include "engine/model/llava_model.h"
+#include "engine/model/weights.h"
 #include "tests/test_util.h"
 #include "tools/checkpoint_writer.h"
 

@@ -1,13 +1,13 @@
-#include "engine/cache_policy.h"
+#include "engine/kv/cache_policy.h"
 
 #include <gtest/gtest.h>
 
 #include <random>
 
-#include "engine/elastic_policy.h"
-#include "engine/h2o_policy.h"
-#include "engine/kv_policy.h"
-#include "engine/streaming_policy.h"
+#include "engine/kv/elastic_policy.h"
+#include "engine/kv/h2o_policy.h"
+#include "engine/kv/kv_policy.h"
+#include "engine/kv/streaming_policy.h"
 
 namespace llava {
 namespace {

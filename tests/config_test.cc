@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "engine/model_config.h"
+#include "engine/io/model_config.h"
 
 namespace llava {
 namespace {

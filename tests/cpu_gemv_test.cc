@@ -1,15 +1,15 @@
 // The CPU kernels (cpu_gemv.h, cpu_ops.h) against ATen in fp32 on the same inputs.
-#include "engine/cpu_gemv.h"
+#include "engine/kernels/cpu_gemv.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 
-#include "engine/cpu_features.h"
-#include "engine/cpu_ops.h"
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/kernels/cpu_features.h"
+#include "engine/kernels/cpu_ops.h"
+#include "engine/kernels/runtime.h"
+#include "engine/model/llava_model.h"
 
 namespace llava {
 namespace {

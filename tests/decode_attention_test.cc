@@ -1,11 +1,11 @@
 // DecodeAttention (one query row per sequence, all sequences in one call) against the ATen
 // attention path (CachedAttention, itself checked against a naive loop in model_test.cc).
-#include "engine/decode_attention.h"
+#include "engine/kernels/decode_attention.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "engine/llava_model.h"
+#include "engine/model/llava_model.h"
 
 namespace llava {
 namespace {

@@ -11,10 +11,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "engine/eval_metrics.h"
-#include "engine/generator.h"
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/eval/eval_metrics.h"
+#include "engine/kernels/runtime.h"
+#include "engine/model/llava_model.h"
+#include "engine/serving/generator.h"
 #include "tests/test_util.h"
 
 namespace llava {

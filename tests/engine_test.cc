@@ -1,7 +1,7 @@
 // The continuous-batching engine on the tiny checkpoint: concurrent requests get the answers
 // they get alone, admission follows the KV byte budget, cancellation/deadlines free caches,
 // shutdown drains.
-#include "engine/engine.h"
+#include "engine/serving/engine.h"
 
 #include <gtest/gtest.h>
 
@@ -11,8 +11,8 @@
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/kernels/runtime.h"
+#include "engine/model/llava_model.h"
 #include "tests/test_util.h"
 
 namespace llava {

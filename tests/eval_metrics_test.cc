@@ -1,4 +1,4 @@
-#include "engine/eval_metrics.h"
+#include "engine/eval/eval_metrics.h"
 
 #include <gtest/gtest.h>
 

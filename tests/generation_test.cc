@@ -5,9 +5,9 @@
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 
-#include "engine/generator.h"
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/kernels/runtime.h"
+#include "engine/model/llava_model.h"
+#include "engine/serving/generator.h"
 #include "tests/test_util.h"
 
 namespace llava {

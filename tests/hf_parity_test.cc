@@ -7,9 +7,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/image_io.h"
-#include "engine/llava_model.h"
-#include "engine/safetensors.h"
+#include "engine/io/image_io.h"
+#include "engine/io/safetensors.h"
+#include "engine/model/llava_model.h"
 #include "tests/test_util.h"
 
 namespace llava {

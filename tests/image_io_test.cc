@@ -1,4 +1,4 @@
-#include "engine/image_io.h"
+#include "engine/io/image_io.h"
 
 #include <gtest/gtest.h>
 

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/kernels/runtime.h"
+#include "engine/model/llava_model.h"
 #include "tests/test_util.h"
 
 namespace llava {

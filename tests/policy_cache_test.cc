@@ -5,11 +5,11 @@
 #include <array>
 #include <random>
 
-#include "engine/elastic_policy.h"
-#include "engine/generator.h"
-#include "engine/kv_cache.h"
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/kernels/runtime.h"
+#include "engine/kv/elastic_policy.h"
+#include "engine/kv/kv_cache.h"
+#include "engine/model/llava_model.h"
+#include "engine/serving/generator.h"
 #include "tests/test_util.h"
 
 namespace llava {

@@ -1,4 +1,4 @@
-#include "engine/scheduler.h"
+#include "engine/serving/scheduler.h"
 
 #include <gtest/gtest.h>
 

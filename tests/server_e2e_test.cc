@@ -10,10 +10,10 @@
 #include <opencv2/imgproc.hpp>
 #include <thread>
 
-#include "engine/cpu_features.h"
-#include "engine/generator.h"
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/kernels/cpu_features.h"
+#include "engine/kernels/runtime.h"
+#include "engine/model/llava_model.h"
+#include "engine/serving/generator.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "llava/v1/llava.grpc.pb.h"
 #include "server/convert.h"

@@ -7,7 +7,7 @@
 #include <optional>
 #include <set>
 
-#include "engine/image_io.h"
+#include "engine/io/image_io.h"
 #include "tests/test_util.h"
 
 namespace llava::shapes {

@@ -1,8 +1,8 @@
-#include "engine/stop_strings.h"
+#include "engine/serving/stop_strings.h"
 
 #include <gtest/gtest.h>
 
-#include "engine/utf8.h"
+#include "engine/io/utf8.h"
 
 namespace llava {
 namespace {

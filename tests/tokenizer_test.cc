@@ -1,10 +1,10 @@
-#include "engine/tokenizer.h"
+#include "engine/io/tokenizer.h"
 
 #include <gtest/gtest.h>
 
 #include <sstream>
 
-#include "engine/utf8.h"
+#include "engine/io/utf8.h"
 #include "tests/test_util.h"
 
 namespace llava {

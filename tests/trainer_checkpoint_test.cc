@@ -3,8 +3,8 @@
 // model holds fused and the checkpoint stores split.
 #include <gtest/gtest.h>
 
-#include "engine/llava_model.h"
-#include "engine/weights.h"
+#include "engine/model/llava_model.h"
+#include "engine/model/weights.h"
 #include "tests/test_util.h"
 #include "tools/checkpoint_writer.h"
 

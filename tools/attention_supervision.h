@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/kv_cache.h"
+#include "engine/kv/kv_cache.h"
 
 namespace llava {
 

@@ -8,8 +8,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "engine/llava_model.h"
-#include "engine/safetensors.h"
+#include "engine/io/safetensors.h"
+#include "engine/model/llava_model.h"
 
 namespace llava {
 

@@ -10,15 +10,15 @@
 #include <utility>
 #include <vector>
 
-#include "engine/model_config.h"
-#include "engine/status.h"
-#include "engine/tokenizer.h"
+#include "engine/io/model_config.h"
+#include "engine/io/status.h"
+#include "engine/io/tokenizer.h"
 
 namespace llava {
 
 class LlavaModel;
 
-enum class TensorNaming { kOld, kNew };  // llava-hf naming generations (see engine/weights.h)
+enum class TensorNaming { kOld, kNew };  // llava-hf naming generations (see engine/model/weights.h)
 
 // Canonical name ("lm.layers.0...") -> checkpoint name of the chosen generation.
 std::string CheckpointTensorName(const std::string& canonical, TensorNaming naming);

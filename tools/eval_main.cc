@@ -25,10 +25,10 @@
 #include <set>
 #include <sstream>
 
-#include "engine/eval_metrics.h"
-#include "engine/generator.h"
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/eval/eval_metrics.h"
+#include "engine/kernels/runtime.h"
+#include "engine/model/llava_model.h"
+#include "engine/serving/generator.h"
 
 namespace {
 
@@ -215,7 +215,7 @@ int main(int argc, char** argv) {
   app.add_option("--dataset", dataset, "JSONL dataset")->required();
   app.add_option("--policies", policies,
                  "policies to sweep, each a name with options (ParseCacheSpec in "
-                 "engine/cache_policy.h), e.g. elastic, elastic+paper, "
+                 "engine/kv/cache_policy.h), e.g. elastic, elastic+paper, "
                  "elastic+paper+importance=mean; elastic_drop and elastic_mean are "
                  "elastic+paper+merge=0 and elastic+paper+importance=mean")
       ->delimiter(',')

@@ -6,11 +6,11 @@
 #include <iostream>
 #include <sstream>
 
-#include "engine/cpu_features.h"
-#include "engine/generator.h"
-#include "engine/kv_policy.h"
-#include "engine/llava_model.h"
-#include "engine/runtime.h"
+#include "engine/kernels/cpu_features.h"
+#include "engine/kernels/runtime.h"
+#include "engine/kv/kv_policy.h"
+#include "engine/model/llava_model.h"
+#include "engine/serving/generator.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Generate an answer about an image with a LLaVA model"};
@@ -39,9 +39,10 @@ int main(int argc, char** argv) {
   std::string policy = "elastic", position_mode = "original";
   llava::CacheParams kv;
   int recent_distance = 0;
-  app.add_option("--policy", policy,
-                 "KV cache policy (" + llava::KvPolicyNames() +
-                     ") with options, e.g. elastic+paper (engine/cache_policy.h, ParseCacheSpec)")
+  app.add_option(
+         "--policy", policy,
+         "KV cache policy (" + llava::KvPolicyNames() +
+             ") with options, e.g. elastic+paper (engine/kv/cache_policy.h, ParseCacheSpec)")
       ->capture_default_str();
   app.add_option("--budget", kv.budget, "KV budget ratio gamma in (0, 1]")->capture_default_str();
   app.add_option("--recent-distance", recent_distance,

@@ -6,8 +6,8 @@
 #include <fstream>
 #include <random>
 
-#include "engine/runtime.h"
-#include "engine/tokenizer.h"
+#include "engine/io/tokenizer.h"
+#include "engine/kernels/runtime.h"
 #include "tools/checkpoint_writer.h"
 
 namespace {

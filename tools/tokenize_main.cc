@@ -4,7 +4,7 @@
 #include <iostream>
 #include <sstream>
 
-#include "engine/tokenizer.h"
+#include "engine/io/tokenizer.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"SentencePiece BPE tokenizer (our implementation)"};

@@ -20,13 +20,13 @@
 #include <fstream>
 #include <optional>
 
-#include "engine/chat_template.h"
-#include "engine/image_io.h"
-#include "engine/llava_model.h"
-#include "engine/model_config.h"
-#include "engine/runtime.h"
-#include "engine/tokenizer.h"
-#include "engine/weights.h"
+#include "engine/io/chat_template.h"
+#include "engine/io/image_io.h"
+#include "engine/io/model_config.h"
+#include "engine/io/tokenizer.h"
+#include "engine/kernels/runtime.h"
+#include "engine/model/llava_model.h"
+#include "engine/model/weights.h"
 #include "tools/attention_supervision.h"
 #include "tools/checkpoint_writer.h"
 #include "tools/shapes_world.h"

@@ -1,0 +1,48 @@
+// Image decoding (OpenCV) and CLIPImageProcessor preprocessing. Torch-free.
+//
+// Safety: the header is parsed first and the pixel count checked against the limits before
+// any pixel is decoded, so a small file that claims a huge canvas (a decompression bomb) is
+// refused without allocating it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/io/model_config.h"
+#include "engine/io/status.h"
+
+namespace llava {
+
+enum class ImageFormat { kUnknown, kJpeg, kPng, kWebp, kBmp };
+const char* ImageFormatName(ImageFormat f);
+
+struct ImageLimits {
+  size_t max_encoded_bytes = 20u << 20;  // 20 MiB
+  int64_t max_pixels = 40'000'000;       // width * height
+  int max_side = 16384;
+};
+
+struct ImageInfo {
+  ImageFormat format = ImageFormat::kUnknown;
+  int width = 0, height = 0;
+};
+
+// Reads the format and dimensions from the header without decoding pixels.
+StatusOr<ImageInfo> ProbeImage(const std::string& bytes, const std::string& field);
+
+struct RgbImage {
+  int width = 0, height = 0;
+  std::vector<uint8_t> pixels;  // [height, width, 3] RGB, row-major
+};
+
+// Decodes JPEG, PNG, WebP or BMP into 8-bit RGB (grey expanded, alpha composited on white,
+// 16-bit scaled down). `field` names the input in errors ("messages[0].content[1].image").
+StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limits,
+                               const std::string& field);
+
+// CLIPImageProcessor: [pad to square with the mean colour], bicubic resize of the shorter side
+// to `shortest_edge`, center crop, rescale, normalize. Returns [3, crop_h, crop_w] floats (CHW).
+std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorConfig& config);
+
+}  // namespace llava

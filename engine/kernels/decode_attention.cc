@@ -1,0 +1,489 @@
+#include "engine/kernels/decode_attention.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "engine/kernels/avx512_reduce.h"
+#include "engine/kernels/cpu_gemv.h"
+#include "engine/kernels/cpu_ops.h"
+
+namespace llava {
+namespace {
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t bf16) { return Bf16ToFloat(bf16); }
+
+constexpr int64_t kMaxHeadDim = 256;
+
+// The `g` query heads that share one KV head against one cache: scores (softmax probabilities
+// on return) in `p` [g, len], the weighted sums of values in `out` [g, hd]. Each key and value
+// row is converted to fp32 once for the whole group. fp32 arithmetic throughout.
+template <typename KV>
+inline __attribute__((always_inline)) void Group(const float* q, int64_t g, const KV* k,
+                                                 int64_t k_stride, const KV* v, int64_t v_stride,
+                                                 int64_t len, int64_t hd, float scale, float* p,
+                                                 float* out) {
+  float row[kMaxHeadDim];
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* kj = k + j * k_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < hd; ++d) row[d] = ToFloat(kj[d]);
+    for (int64_t i = 0; i < g; ++i) {
+      const float* qi = q + i * hd;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < hd; ++d) acc += qi[d] * row[d];
+      p[i * len + j] = acc * scale;
+    }
+  }
+  SoftmaxRows(p, g, len);
+  for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* vj = v + j * v_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < hd; ++d) row[d] = ToFloat(vj[d]);
+    for (int64_t i = 0; i < g; ++i) {
+      const float pij = p[i * len + j];
+      float* oi = out + i * hd;
+#pragma omp simd
+      for (int64_t d = 0; d < hd; ++d) oi[d] += pij * row[d];
+    }
+  }
+}
+
+// Compiled for AVX2 + FMA and for baseline x86-64; GroupAnyHeadSize picks by the CPU path
+// (AVX-512 CPUs take GroupAvx512 below for head sizes it has, this otherwise).
+template <typename KV>
+__attribute__((target("avx2,fma"))) void GroupAvx2(const float* q, int64_t g, const KV* k,
+                                                   int64_t ks, const KV* v, int64_t vs, int64_t len,
+                                                   int64_t hd, float scale, float* p, float* out) {
+  Group(q, g, k, ks, v, vs, len, hd, scale, p, out);
+}
+
+template <typename KV>
+void GroupGeneric(const float* q, int64_t g, const KV* k, int64_t ks, const KV* v, int64_t vs,
+                  int64_t len, int64_t hd, float scale, float* p, float* out) {
+  Group(q, g, k, ks, v, vs, len, hd, scale, p, out);
+}
+
+template <typename KV>
+void GroupAnyHeadSize(bool avx2, const float* q, int64_t g, const KV* k, int64_t ks, const KV* v,
+                      int64_t vs, int64_t len, int64_t hd, float scale, float* p, float* out) {
+  if (avx2) return GroupAvx2(q, g, k, ks, v, vs, len, hd, scale, p, out);
+  GroupGeneric(q, g, k, ks, v, vs, len, hd, scale, p, out);
+}
+
+// The same computation with AVX-512 intrinsics for head sizes 16, 32, ..., 128 (64 and 128 in
+// LLaMA models). GCC's vectorisation of the loops above ends every dot product with 16 dependent
+// scalar adds; a first intrinsics version still paid one horizontal add per (row, head) and kept
+// the output accumulators in memory. This one works on blocks of 16 cache rows: the block is
+// converted to fp32 once into an L1-resident buffer for all heads of the group, the 16 dot
+// products of a head are reduced together (SumEach16), and the weighted sum of values keeps its
+// accumulators in registers for the whole block. A bf16 query against a bf16 cache (a bf16
+// model) scores with AVX512-BF16 dot products instead (ScoresBf16), reading the keys as stored.
+// `llava-bench --suite attention` times it outside the model.
+__attribute__((target("avx512f"))) inline __m512 Load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// nb rows of a cache head converted to fp32 into buf [nb, 16 * CH]. The rows of the next block
+// are prefetched: a decode step reads every cache once, from L3 or memory, in runs too short
+// for the hardware prefetcher to get ahead.
+template <int CH, typename KV>
+__attribute__((target("avx512f"))) inline void ConvertBlock(const KV* src, int64_t stride,
+                                                            int64_t nb, float* buf) {
+  constexpr int64_t kLine = 64 / sizeof(KV), kRowElems = 16 * CH;
+  for (int64_t r = 0; r < nb; ++r) {
+    for (int64_t e = 0; e < kRowElems; e += kLine) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + (r + 16) * stride + e), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < CH; ++c)
+      _mm512_store_ps(buf + r * 16 * CH + 16 * c, Load16(src + r * stride + 16 * c));
+  }
+}
+
+// Scores of g bf16 query heads against a bf16 cache head with AVX512-BF16 dot products, which
+// read the keys as stored (no conversion) and take pairs of products per instruction; fp32
+// accumulation, so the result equals the fp32 path's up to summation order when the query is
+// bf16 (as in a bf16 model). p [g, len] = q k^T * scale.
+template <int CH>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void ScoresBf16(const uint16_t* qb,
+                                                                       int64_t g, const uint16_t* k,
+                                                                       int64_t k_stride,
+                                                                       int64_t len, float scale,
+                                                                       float* p) {
+  static_assert(CH % 2 == 0, "pairs of 16-lane chunks");
+  constexpr int64_t hd = 16 * CH, kVec = CH / 2;  // 32 bf16 per vector
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < g; ++i) {
+    __m512bh qv[kVec];
+#pragma GCC unroll 8
+    for (int c = 0; c < kVec; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + i * hd + 32 * c);
+    int64_t j0 = 0;
+    for (; j0 + 16 <= len; j0 += 16) {
+      __m512 dot[16];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+        const uint16_t* kr = k + (j0 + r) * k_stride;
+        __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int c = 0; c < kVec; ++c) {
+          acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+        }
+        dot[kSumSlot[r]] = acc;
+      }
+      _mm512_storeu_ps(p + i * len + j0, _mm512_mul_ps(SumEach16(dot), vscale));
+    }
+    for (; j0 < len; ++j0) {
+      const uint16_t* kr = k + j0 * k_stride;
+      __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int c = 0; c < kVec; ++c) {
+        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+      }
+      p[i * len + j0] = SumLanes(acc) * scale;
+    }
+  }
+}
+
+// Scores in fp32: each block of 16 key rows converted once for all g heads, the 16 dot products
+// of a head reduced together. p [g, len] = q k^T * scale; buf holds 16 rows.
+template <int CH, typename KV>
+__attribute__((target("avx512f"))) void ScoresF32(const float* q, int64_t g, const KV* k,
+                                                  int64_t k_stride, int64_t len, float scale,
+                                                  float* p, float* buf) {
+  constexpr int64_t hd = 16 * CH;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, len - j0);
+    ConvertBlock<CH>(k + j0 * k_stride, k_stride, nb, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      __m512 qv[CH];
+#pragma GCC unroll 8
+      for (int c = 0; c < CH; ++c) qv[c] = _mm512_loadu_ps(q + i * hd + 16 * c);
+      __m512 dot[16];
+      if (nb == 16) {
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) {
+          __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(buf + r * hd));
+#pragma GCC unroll 8
+          for (int c = 1; c < CH; ++c)
+            acc = _mm512_fmadd_ps(qv[c], _mm512_load_ps(buf + r * hd + 16 * c), acc);
+          dot[kSumSlot[r]] = acc;
+        }
+        _mm512_storeu_ps(p + i * len + j0, _mm512_mul_ps(SumEach16(dot), vscale));
+      } else {
+        for (int64_t r = 0; r < nb; ++r) {
+          __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(buf + r * hd));
+#pragma GCC unroll 8
+          for (int c = 1; c < CH; ++c)
+            acc = _mm512_fmadd_ps(qv[c], _mm512_load_ps(buf + r * hd + 16 * c), acc);
+          p[i * len + j0 + r] = SumLanes(acc) * scale;
+        }
+      }
+    }
+  }
+}
+
+template <int CH, typename KV>
+__attribute__((target("avx512f"))) void GroupAvx512(const float* q, const uint16_t* qb, int64_t g,
+                                                    const KV* k, int64_t k_stride, const KV* v,
+                                                    int64_t v_stride, int64_t len, float scale,
+                                                    float* p, float* out) {
+  constexpr int64_t hd = 16 * CH;
+  alignas(64) float storage[16 * hd];
+  // Through an opaque pointer: with the block loops fully unrolled, GCC otherwise scalarises the
+  // array and copies all of it between stack slots for every block and head (seen in the
+  // disassembly; it halved the kernel's speed).
+  float* buf = storage;
+  asm("" : "+r"(buf));
+  bool scored = false;
+  if constexpr (std::is_same_v<KV, uint16_t> && CH % 2 == 0) {
+    if (qb != nullptr) {
+      ScoresBf16<CH>(qb, g, k, k_stride, len, scale, p);
+      scored = true;
+    }
+  }
+  if (!scored) ScoresF32<CH>(q, g, k, k_stride, len, scale, p, buf);
+  SoftmaxRows(p, g, len);
+  for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, len - j0);
+    ConvertBlock<CH>(v + j0 * v_stride, v_stride, nb, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      float* oi = out + i * hd;
+      const float* pi = p + i * len + j0;
+      __m512 acc[CH];
+#pragma GCC unroll 8
+      for (int c = 0; c < CH; ++c) acc[c] = _mm512_loadu_ps(oi + 16 * c);
+      for (int64_t r = 0; r < nb; ++r) {
+        const __m512 pr = _mm512_set1_ps(pi[r]);
+#pragma GCC unroll 8
+        for (int c = 0; c < CH; ++c)
+          acc[c] = _mm512_fmadd_ps(pr, _mm512_load_ps(buf + r * hd + 16 * c), acc[c]);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(oi + 16 * c, acc[c]);
+    }
+  }
+}
+
+// GroupAvx512 for the head size, or false when it has no instance for it.
+template <typename KV>
+bool GroupAvx512ForHeadSize(int64_t hd, const float* q, const uint16_t* qb, int64_t g, const KV* k,
+                            int64_t ks, const KV* v, int64_t vs, int64_t len, float scale, float* p,
+                            float* out) {
+  switch (hd) {
+#define LLAVA_GROUP_CASE(CH)                                     \
+  case 16 * CH:                                                  \
+    GroupAvx512<CH>(q, qb, g, k, ks, v, vs, len, scale, p, out); \
+    return true;
+    LLAVA_GROUP_CASE(1)
+    LLAVA_GROUP_CASE(2)
+    LLAVA_GROUP_CASE(3)
+    LLAVA_GROUP_CASE(4)
+    LLAVA_GROUP_CASE(5)
+    LLAVA_GROUP_CASE(6)
+    LLAVA_GROUP_CASE(7)
+    LLAVA_GROUP_CASE(8)
+#undef LLAVA_GROUP_CASE
+    default:
+      return false;
+  }
+}
+
+// ---- AVX2 + FMA: the same blocked computation with 8-lane vectors, blocks of 8 cache rows ----
+
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Lane r of the result: the sum of the 8 lanes of v[r].
+__attribute__((target("avx2,fma"))) inline __m256 SumEach8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a = [v0..v3 low-half sums | v0..v3 high-half sums], b the same for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// nb <= 8 rows of a cache head as fp32 into buf [8, 8 * CH]; rows from nb on are zero.
+template <int CH, typename KV>
+__attribute__((target("avx2,fma"))) inline void ConvertBlock8(const KV* src, int64_t stride,
+                                                              int64_t nb, float* buf) {
+  constexpr int64_t kLine = 64 / sizeof(KV), kRowElems = 8 * CH;
+  for (int64_t r = 0; r < 8; ++r) {
+    if (r >= nb) {
+#pragma GCC unroll 16
+      for (int c = 0; c < CH; ++c) _mm256_store_ps(buf + r * 8 * CH + 8 * c, _mm256_setzero_ps());
+      continue;
+    }
+    for (int64_t e = 0; e < kRowElems; e += kLine) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + (r + 8) * stride + e), _MM_HINT_T0);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < CH; ++c)
+      _mm256_store_ps(buf + r * 8 * CH + 8 * c, Load8(src + r * stride + 8 * c));
+  }
+}
+
+template <int CH, typename KV>
+__attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_t g, const KV* k,
+                                                          int64_t k_stride, const KV* v,
+                                                          int64_t v_stride, int64_t len,
+                                                          float scale, float* p, float* out) {
+  constexpr int64_t hd = 8 * CH;
+  alignas(32) float storage[8 * hd];
+  float* buf = storage;  // opaque, as in GroupAvx512
+  asm("" : "+r"(buf));
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    const int64_t nb = std::min<int64_t>(8, len - j0);
+    ConvertBlock8<CH>(k + j0 * k_stride, k_stride, nb, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+      for (int c = 0; c < CH; ++c) {
+        const __m256 qv = _mm256_loadu_ps(q + i * hd + 8 * c);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r)
+          acc[r] = _mm256_fmadd_ps(qv, _mm256_load_ps(buf + r * hd + 8 * c), acc[r]);
+      }
+      const __m256 dots = _mm256_mul_ps(SumEach8(acc), vscale);
+      if (nb == 8) {
+        _mm256_storeu_ps(p + i * len + j0, dots);
+      } else {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, dots);
+        std::copy(tail, tail + nb, p + i * len + j0);
+      }
+    }
+  }
+  SoftmaxRows(p, g, len, CpuPath::kAvx2);
+  for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
+  // The weighted sum of values: up to 8 accumulators (64 lanes of the head) at a time.
+  constexpr int kPart = CH < 8 ? CH : 8;
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    const int64_t nb = std::min<int64_t>(8, len - j0);
+    ConvertBlock8<CH>(v + j0 * v_stride, v_stride, nb, buf);
+    for (int64_t i = 0; i < g; ++i) {
+      const float* pi = p + i * len + j0;
+      for (int c0 = 0; c0 < CH; c0 += kPart) {
+        float* oi = out + i * hd + 8 * c0;
+        __m256 acc[kPart];
+#pragma GCC unroll 8
+        for (int c = 0; c < kPart; ++c) acc[c] = _mm256_loadu_ps(oi + 8 * c);
+        for (int64_t r = 0; r < nb; ++r) {
+          const __m256 pr = _mm256_set1_ps(pi[r]);
+#pragma GCC unroll 8
+          for (int c = 0; c < kPart; ++c)
+            acc[c] = _mm256_fmadd_ps(pr, _mm256_load_ps(buf + r * hd + 8 * (c0 + c)), acc[c]);
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < kPart; ++c) _mm256_storeu_ps(oi + 8 * c, acc[c]);
+      }
+    }
+  }
+}
+
+// GroupAvx2Blocked for the head size (16, 32, ..., 128), or false when it has no instance.
+template <typename KV>
+bool GroupAvx2ForHeadSize(int64_t hd, const float* q, int64_t g, const KV* k, int64_t ks,
+                          const KV* v, int64_t vs, int64_t len, float scale, float* p, float* out) {
+  switch (hd) {
+#define LLAVA_GROUP_CASE(CH)                                      \
+  case 8 * CH:                                                    \
+    GroupAvx2Blocked<CH>(q, g, k, ks, v, vs, len, scale, p, out); \
+    return true;
+    LLAVA_GROUP_CASE(2)
+    LLAVA_GROUP_CASE(4)
+    LLAVA_GROUP_CASE(6)
+    LLAVA_GROUP_CASE(8)
+    LLAVA_GROUP_CASE(10)
+    LLAVA_GROUP_CASE(12)
+    LLAVA_GROUP_CASE(14)
+    LLAVA_GROUP_CASE(16)
+#undef LLAVA_GROUP_CASE
+    default:
+      return false;
+  }
+}
+
+// One group on the best kernel of the path: the AVX-512 or AVX2 blocks for the head sizes they
+// have, the compiler-vectorised loops otherwise. `qb`: the bf16 query (AVX512-BF16 only).
+template <typename KV>
+void RunGroup(CpuPath path, int64_t hd, const float* q, const uint16_t* qb, int64_t g, const KV* k,
+              int64_t ks, const KV* v, int64_t vs, int64_t len, float scale, float* p, float* out) {
+  if (path >= CpuPath::kAvx512 &&
+      GroupAvx512ForHeadSize(hd, q, qb, g, k, ks, v, vs, len, scale, p, out)) {
+    return;
+  }
+  if (path >= CpuPath::kAvx2 && q != nullptr &&
+      GroupAvx2ForHeadSize(hd, q, g, k, ks, v, vs, len, scale, p, out)) {
+    return;
+  }
+  GroupAnyHeadSize(path >= CpuPath::kAvx2, q, g, k, ks, v, vs, len, hd, scale, p, out);
+}
+
+}  // namespace
+
+at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+                           const std::vector<at::Tensor>& values,
+                           const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs) {
+  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu() && q.size(2) <= kMaxHeadDim,
+              "DecodeAttention: q must be [B, H, hd <= 256] on CPU");
+  const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);
+  TORCH_CHECK(batch > 0, "DecodeAttention: no sequences");
+  TORCH_CHECK(
+      static_cast<int64_t>(keys.size()) == batch && static_cast<int64_t>(values.size()) == batch,
+      "DecodeAttention: one key and value tensor per sequence");
+  for (int64_t b = 0; b < batch; ++b) {
+    const at::Tensor& k = keys[b];
+    const at::Tensor& v = values[b];
+    TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(2) == hd &&
+                    heads % k.size(0) == 0 && k.stride(2) == 1 && v.stride(2) == 1 &&
+                    k.scalar_type() == v.scalar_type() &&
+                    (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
+                    k.size(0) == keys[0].size(0) && k.device().is_cpu() && k.size(1) > 0,
+                "DecodeAttention: sequence ", b, " has keys ", k.sizes(), " / values ", v.sizes(),
+                " that do not fit q ", q.sizes());
+  }
+  const CpuPath path = ActiveCpuPath();
+  const bool use_avx512 = path >= CpuPath::kAvx512;
+  // A bf16 query against bf16 caches goes to the AVX512-BF16 score kernel as it is (head
+  // sizes 32, 64, 96, 128); only the other paths read the query in fp32.
+  const bool has_bf16_dot = path >= CpuPath::kAvx512Bf16;
+  const at::Tensor qb =
+      q.scalar_type() == at::kBFloat16 && has_bf16_dot ? q.contiguous() : at::Tensor();
+  bool need_qf = !(qb.defined() && use_avx512 && hd % 32 == 0 && hd <= 128);
+  for (int64_t b = 0; b < batch && !need_qf; ++b) {
+    need_qf = keys[b].scalar_type() != at::kBFloat16;
+  }
+  const at::Tensor qf = need_qf ? q.to(at::kFloat).contiguous() : at::Tensor();
+  const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({batch, heads, hd}, f32);
+  if (probs != nullptr) {
+    probs->assign(batch, at::Tensor());
+    for (int64_t b = 0; b < batch; ++b) {
+      if (want_probs[b]) (*probs)[b] = at::empty({heads, 1, keys[b].size(1)}, f32);
+    }
+  }
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  const float* qp = need_qf ? qf.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  // One unit of work: a sequence's KV head and the query heads that read it.
+  const int64_t kv_heads = keys[0].size(0), group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> scratch;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / kv_heads, kv = u % kv_heads;
+      const at::Tensor& k = keys[b];
+      const at::Tensor& v = values[b];
+      const int64_t len = k.size(1);
+      float* p;
+      if (probs != nullptr && want_probs[b]) {
+        p = (*probs)[b].data_ptr<float>() + kv * group * len;
+      } else {
+        scratch.resize(group * len);
+        p = scratch.data();
+      }
+      const int64_t first = b * heads + kv * group;  // row of the group's first query head
+      const float* qh = qp != nullptr ? qp + first * hd : nullptr;
+      float* oh = op + first * hd;
+      if (k.scalar_type() == at::kFloat) {
+        const float* kf = k.data_ptr<float>() + kv * k.stride(0);
+        const float* vf = v.data_ptr<float>() + kv * v.stride(0);
+        RunGroup(path, hd, qh, nullptr, group, kf, k.stride(1), vf, v.stride(1), len, scale, p, oh);
+      } else {
+        const auto* kb =
+            reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + kv * k.stride(0);
+        const auto* vb =
+            reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + kv * v.stride(0);
+        const uint16_t* qbh = qb.defined()
+                                  ? reinterpret_cast<const uint16_t*>(qb.data_ptr<at::BFloat16>()) +
+                                        (b * heads + kv * group) * hd
+                                  : nullptr;
+        RunGroup(path, hd, qh, qbh, group, kb, k.stride(1), vb, v.stride(1), len, scale, p, oh);
+      }
+    }
+  });
+  return out.view({batch, heads * hd}).to(q.scalar_type());
+}
+
+}  // namespace llava

@@ -1,0 +1,130 @@
+// What a request asks of its KV cache: the policy, the budget and each policy's own knobs, plus
+// the prompt's layout that the policies may use. Torch-free: parsing and validation are tested
+// exactly, and the server converts the API's KvCacheConfig into these types.
+//
+// Notation (DESIGN.md section 4): T prompt tokens, n tokens fed so far, gamma the budget ratio.
+// After every step a compressed cache holds EntryTarget(gamma, n, P) = min(n, max(P,
+// ceil(gamma * n))) entries per layer, where P is what the policy protects (kv_policy.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/io/status.h"
+
+namespace llava {
+
+enum class CachePolicy { kFull, kElastic, kH2O, kStreamingLLM };
+enum class PositionMode {
+  kOriginal,    // a new token's rotary position is its true index n (default)
+  kCompressed,  // ... is the compressed cache length (the Elastic Cache reference code)
+};
+
+// Which prompt queries score a position for Elastic's anchors.
+enum class ImportanceMode {
+  kSum,          // column sum over every prompt query (the paper)
+  kMean,         // ... divided by the number of prompt queries that can see the position
+  kInstruction,  // mean over the instruction's queries only (the text after the last image)
+  kHybrid,       // kMean + kInstruction
+};
+// Which anchors an unkept prompt entry may be merged into.
+enum class MergeScope {
+  kNearest,  // the nearest anchor by position, anywhere in the prompt (the paper)
+  kSegment,  // the nearest anchor of its own segment (the same image, or the same text run);
+             // dropped when its segment has no anchor
+};
+
+// How Elastic picks a victim while decoding.
+enum class DecodeEviction {
+  kFixedPoint,  // the entry at N_tl, a queue from there on (the paper)
+  kScored,      // the unpinned entry, other than the newest, that received the least attention
+                // from the decode steps so far (H2O's scores, after the merge)
+};
+
+// Elastic Cache's knobs (DESIGN.md section 4.2). The named presets are ElasticPreset's.
+struct ElasticParams {
+  int recent_distance = 25;  // the fixed point sits this far from the merged end
+  // Keep the instruction (the prompt text after the last image, and a question placed before
+  // the image: PromptSegments::instruction and ::question) verbatim:
+  // never merged, never an anchor of other entries, never evicted. Counts against the budget,
+  // of which the protected spans take at most half (ElasticPinned).
+  bool protect_instruction = false;
+  bool protect_system = false;  // the same for the system prompt
+  ImportanceMode importance = ImportanceMode::kSum;
+  MergeScope merge_scope = MergeScope::kNearest;
+  // Anchors become the importance-weighted mean of their bucket instead of the plain mean.
+  bool weighted_merge = false;
+  DecodeEviction eviction = DecodeEviction::kFixedPoint;
+  // An ablation (llava-eval only): false keeps the same anchors and drops the other entries.
+  bool merge = true;
+};
+
+// "paper": the method exactly as published (DESIGN.md 4.2), the reference.
+// "product": the service's default, measured in docs/POLICIES.md ("Elastic that keeps the
+// question"). The plain name `elastic` means "product".
+enum class ElasticVariant { kProduct, kPaper };
+ElasticParams ElasticPreset(ElasticVariant v);
+const char* ElasticVariantName(ElasticVariant v);  // "product", "paper"
+
+struct CacheParams {
+  CachePolicy policy = CachePolicy::kElastic;
+  double budget = 1.0;   // gamma in (0, 1]; ignored by Full
+  int sink_tokens = -1;  // -1: the policy's default (Elastic 1, StreamingLLM 4, H2O 0)
+  PositionMode position_mode = PositionMode::kOriginal;
+  ElasticVariant elastic_variant = ElasticVariant::kProduct;  // the preset `elastic` started from
+  ElasticParams elastic = ElasticPreset(ElasticVariant::kProduct);  // Elastic only
+
+  int sinks() const;
+  // True when the cache keeps every entry: Full, or any policy at budget 1.
+  bool KeepsEverything() const { return policy == CachePolicy::kFull || budget >= 1.0; }
+};
+
+// Where the prompt's parts lie, in prompt positions [begin, end). Built from the chat template's
+// output (chat_template.h); empty spans when unknown (raw token ids in tests and benchmarks).
+struct PromptSegments {
+  struct Span {
+    int64_t begin = 0, end = 0;
+    int64_t size() const { return end - begin; }
+  };
+  std::vector<Span> images;  // in prompt order
+  Span system;               // the system prompt's text, if any
+  Span instruction;          // the last user turn's text after its images, " ASSISTANT:" included
+  Span question;             // the last user turn's text before its image (the paper's layout)
+  // The segment id of every position < length for segment-scoped merging: each image is its own
+  // segment, and so is each text run between images (the instruction included).
+  std::vector<int> SegmentIds(int64_t length) const;
+};
+
+// Parsing by name. Errors name the field ("kv_cache.policy 'x' is unknown (full, ...)").
+const char* CachePolicyName(CachePolicy p);  // "full", "elastic", "h2o", "streaming_llm"
+StatusOr<CachePolicy> ParseCachePolicy(std::string_view name);
+const char* PositionModeName(PositionMode m);  // "original", "compressed"
+StatusOr<PositionMode> ParsePositionMode(std::string_view name);
+const char* ImportanceModeName(ImportanceMode m);  // "sum", "mean", "instruction", "hybrid"
+StatusOr<ImportanceMode> ParseImportanceMode(std::string_view name);
+const char* MergeScopeName(MergeScope s);          // "nearest", "segment"
+const char* DecodeEvictionName(DecodeEviction e);  // "fixed_point", "scored"
+StatusOr<DecodeEviction> ParseDecodeEviction(std::string_view name);
+StatusOr<MergeScope> ParseMergeScope(std::string_view name);
+StatusOr<ElasticVariant> ParseElasticVariant(std::string_view name);
+
+// A policy with its knobs in one string, for command lines: `name[+option...]`, where an
+// option is a preset (`paper`, `product`) or key=value: protect_instruction=0|1,
+// protect_system=0|1, importance=sum|mean|instruction, merge_scope=nearest|segment,
+// weighted=0|1, evict=fixed_point|scored, merge=0|1, recent=N, sinks=N,
+// position=original|compressed. Options apply in order on top of `base` (whose budget is kept),
+// e.g. "elastic+paper+importance=mean". `elastic_drop` and `elastic_mean` are the older ablation
+// names (paper + merge=0, paper + importance=mean).
+StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& base = {});
+
+// Checks ranges; errors name the field ("kv_cache.budget must be in (0, 1], got 0").
+Status ValidateCacheParams(const CacheParams& params, int64_t max_sink_tokens = 1024);
+
+// ceil(gamma * n), robust to binary rounding (0.2 * 10 is exactly 2).
+int64_t CeilBudget(double gamma, int64_t n);
+// min(n, max(protected_entries, ceil(gamma * n))): what a compressed cache holds after n tokens.
+int64_t EntryTarget(double gamma, int64_t n, int64_t protected_entries);
+
+}  // namespace llava

@@ -1,0 +1,652 @@
+#include "engine/model/llava_model.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+
+#include "engine/kernels/cpu_gemv.h"
+#include "engine/kernels/cpu_ops.h"
+#include "engine/kernels/decode_attention.h"
+#include "engine/model/weights.h"
+
+#ifdef LLAVA_WITH_CUDA
+#include "engine/kernels/cuda/rms_norm.h"
+#endif
+
+namespace llava {
+namespace {
+
+constexpr int64_t kQueryBlock = 256;  // prefill attention processes queries in blocks of this
+
+at::ScalarType ScalarTypeOf(DType d) {
+  return d == DType::kF32 ? at::kFloat : d == DType::kF16 ? at::kHalf : at::kBFloat16;
+}
+
+// A bf16 CPU tensor outside autograd: eligible for the fused loops below (the trainer's
+// forward keeps the ATen ops, whose backward it needs).
+bool IsPlainCpuBf16(const at::Tensor& t) {
+  return t.defined() && t.is_cpu() && t.scalar_type() == at::kBFloat16 && !t.requires_grad();
+}
+
+// False for a bf16 CPU tensor outside autograd on a CPU path without AVX512-BF16, whose
+// products ATen (oneDNN) runs 10-50x slower than in fp32: the caller converts them.
+bool FastBf16Matmul(const at::Tensor& t) {
+  return !IsPlainCpuBf16(t) || CpuPathAtLeast(CpuPath::kAvx512Bf16);
+}
+
+// at::gelu and at::silu; in fp32 where FastBf16Matmul is false, since ATen also hands bf16
+// activations to oneDNN, which has no bf16 kernels below AVX512-BF16.
+at::Tensor Gelu(const at::Tensor& x) {
+  return FastBf16Matmul(x) ? at::gelu(x) : at::gelu(x.to(at::kFloat)).to(x.scalar_type());
+}
+at::Tensor Silu(const at::Tensor& x) {
+  return FastBf16Matmul(x) ? at::silu(x) : at::silu(x.to(at::kFloat)).to(x.scalar_type());
+}
+
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// Loader helper: takes tensors under a prefix with shapes derived from the config.
+class Taker {
+ public:
+  Taker(WeightSource* r, const ModelOptions& o) : r_(r), o_(o) {}
+  Status Get(const std::string& name, std::vector<int64_t> shape, at::Tensor* out,
+             bool fp32 = false) {
+    return r_->Take(name, shape, fp32 ? DType::kF32 : o_.dtype, o_.device, out);
+  }
+  Status GetLinear(const std::string& name, int64_t out, int64_t in, bool bias, Linear* l) {
+    LLAVA_RETURN_IF_ERROR(Get(name + ".weight", {out, in}, &l->weight));
+    if (bias) LLAVA_RETURN_IF_ERROR(Get(name + ".bias", {out}, &l->bias));
+    return Status::Ok();
+  }
+  Status GetLayerNorm(const std::string& name, int64_t dim, double eps, LayerNorm* ln) {
+    ln->eps = eps;
+    LLAVA_RETURN_IF_ERROR(Get(name + ".weight", {dim}, &ln->weight, /*fp32=*/true));
+    return Get(name + ".bias", {dim}, &ln->bias, /*fp32=*/true);
+  }
+
+ private:
+  WeightSource* r_;
+  ModelOptions o_;
+};
+
+// Tensors a checkpoint legitimately holds that inference does not need.
+bool Ignorable(const std::string& name, const LlavaConfig& c) {
+  if (name.rfind("vision.post_layernorm.", 0) == 0) return true;
+  if (name == "vision.embeddings.position_ids") return true;
+  if (name.find("rotary_emb.inv_freq") != std::string::npos) return true;
+  static const std::string kVisionLayer = "vision.encoder.layers.";
+  if (name.rfind(kVisionLayer, 0) == 0) {
+    const int idx = std::atoi(name.c_str() + kVisionLayer.size());
+    return idx >= c.vision_layers_needed() && idx < c.vision.num_hidden_layers;
+  }
+  return false;
+}
+
+}  // namespace
+
+at::Tensor Linear::operator()(const at::Tensor& x) const {
+  const int64_t k = weight.size(1), rows = x.numel() / std::max<int64_t>(k, 1);
+  // Under autograd (the trainer's forward) or off the CPU: at::linear, whose backward and
+  // device kernels those need.
+  if (!x.is_cpu() || !weight.is_cpu() || x.requires_grad() || weight.requires_grad() ||
+      (bias.defined() && bias.requires_grad()) || k < 1 || rows < 1 || !weight.is_contiguous()) {
+    return at::linear(x, weight, bias);
+  }
+  const bool bf16 =
+      IsPlainCpuBf16(x) && IsPlainCpuBf16(weight) && (!bias.defined() || IsPlainCpuBf16(bias));
+  const bool f32 = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                   (!bias.defined() || bias.scalar_type() == at::kFloat);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = weight.size(0);
+  if (bf16 && rows <= kGemvMaxRows) {
+    at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty(shape, x.options());
+    Bf16Gemv(static_cast<const uint16_t*>(xc.data_ptr()),
+             static_cast<const uint16_t*>(weight.data_ptr()),
+             bias.defined() ? static_cast<const uint16_t*>(bias.contiguous().data_ptr()) : nullptr,
+             static_cast<uint16_t*>(y.data_ptr()), rows, weight.size(0), k);
+    return y;
+  }
+  if (f32 && rows <= kGemvMaxRows) {
+    at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty(shape, x.options());
+    F32Gemv(xc.data_ptr<float>(), weight.data_ptr<float>(),
+            bias.defined() ? bias.contiguous().data_ptr<float>() : nullptr, y.data_ptr<float>(),
+            rows, weight.size(0), k);
+    return y;
+  }
+  if (bf16 && CpuPathAtLeast(CpuPath::kAvx512Bf16)) return at::linear(x, weight, bias);  // oneDNN
+  if (bf16 || f32) return PanelLinear(x.reshape({rows, k}), weight, bias).view(shape);
+  return at::linear(x, weight, bias);
+}
+
+at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = at::empty({x.size(0), n}, xf.options());
+  // At least one panel per thread, and panels of at most kLinearPanelFloats widened weights.
+  const int64_t threads = at::get_num_threads();
+  int64_t panels =
+      std::max<int64_t>(threads, (n * k + kLinearPanelFloats - 1) / kLinearPanelFloats);
+  panels = (panels + threads - 1) / threads * threads;
+  const int64_t panel = (n + panels - 1) / panels;
+  at::parallel_for(0, (n + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * panel, width = std::min(panel, n - n0);
+      at::Tensor out = y.narrow(1, n0, width);
+      at::mm_out(out, xf, weight.narrow(0, n0, width).to(at::kFloat).t());
+    }
+  });
+  if (bias.defined()) y.add_(bias.to(at::kFloat));
+  return y.to(x.scalar_type());
+}
+
+at::Tensor LayerNorm::operator()(const at::Tensor& x) const {
+  if (IsPlainCpuBf16(x) && IsPlainCpuBf16(weight) && IsPlainCpuBf16(bias) && x.is_contiguous()) {
+    // at::layer_norm's arithmetic (fp32, biased variance) in one pass per row.
+    const int64_t dim = x.size(-1), rows = x.numel() / dim;
+    at::Tensor y = at::empty_like(x);
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = bias.data_ptr<at::BFloat16>();
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const at::BFloat16* xr = xp + r * dim;
+      float sum = 0.f;
+      for (int64_t d = 0; d < dim; ++d) sum += static_cast<float>(xr[d]);
+      const float mean = sum / static_cast<float>(dim);
+      float var = 0.f;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float c = static_cast<float>(xr[d]) - mean;
+        var += c * c;
+      }
+      const float rstd = 1.f / std::sqrt(var / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) {
+        yp[r * dim + d] =
+            at::BFloat16((static_cast<float>(xr[d]) - mean) * rstd * static_cast<float>(wp[d]) +
+                         static_cast<float>(bp[d]));
+      }
+    }
+    return y;
+  }
+  return at::layer_norm(x.to(at::kFloat), {weight.size(0)}, weight, bias, eps).to(x.scalar_type());
+}
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+#ifdef LLAVA_WITH_CUDA
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
+    at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty_like(xc);
+    const int64_t dim = xc.size(-1);
+    if (cuda::RmsNormBf16(xc.data_ptr(), weight.data_ptr(), y.data_ptr(), xc.numel() / dim, dim,
+                          static_cast<float>(eps), /*stream=*/nullptr)) {
+      return y;
+    }
+  }
+#endif
+  if (IsPlainCpuBf16(x) && IsPlainCpuBf16(weight) && x.is_contiguous()) {
+    // The same arithmetic as below in one pass per row, without the six temporaries.
+    const int64_t dim = x.size(-1), rows = x.numel() / dim;
+    at::Tensor y = at::empty_like(x);
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const at::BFloat16* xr = xp + r * dim;
+      float ss = 0.f;
+      for (int64_t d = 0; d < dim; ++d) ss += static_cast<float>(xr[d]) * static_cast<float>(xr[d]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) {
+        const at::BFloat16 normed(static_cast<float>(xr[d]) * inv);
+        yp[r * dim + d] = at::BFloat16(static_cast<float>(wp[d]) * static_cast<float>(normed));
+      }
+    }
+    return y;
+  }
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+RotaryTable MakeRotaryTable(const at::Tensor& positions, const at::Tensor& inv_freq) {
+  // angles [n, hd/2] -> [n, 1, hd], broadcast over heads
+  at::Tensor angles = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
+  at::Tensor emb = at::cat({angles, angles}, -1).unsqueeze(1);
+  return {emb.cos(), emb.sin()};
+}
+
+at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table) {
+  if (IsPlainCpuBf16(x) && x.dim() == 3 && x.stride(2) == 1 && table.cos.is_contiguous() &&
+      table.sin.is_contiguous() && table.cos.scalar_type() == at::kFloat &&
+      table.cos.size(0) == x.size(0) && table.cos.size(2) == x.size(2)) {
+    // x [n, heads, hd] (a strided view of the fused q/k/v rows) -> contiguous, in one pass.
+    const int64_t n = x.size(0), heads = x.size(1), hd = x.size(2), half = hd / 2;
+    at::Tensor y = at::empty({n, heads, hd}, x.options());
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    const float* cp = table.cos.data_ptr<float>();
+    const float* sp = table.sin.data_ptr<float>();
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const at::BFloat16* xr = xp + i * x.stride(0) + h * x.stride(1);
+        const float* c = cp + i * hd;
+        const float* sn = sp + i * hd;
+        at::BFloat16* yr = yp + (i * heads + h) * hd;
+        for (int64_t d = 0; d < half; ++d) {
+          yr[d] = at::BFloat16(static_cast<float>(xr[d]) * c[d] -
+                               static_cast<float>(xr[d + half]) * sn[d]);
+        }
+        for (int64_t d = half; d < hd; ++d) {
+          yr[d] = at::BFloat16(static_cast<float>(xr[d]) * c[d] +
+                               static_cast<float>(xr[d - half]) * sn[d]);
+        }
+      }
+    }
+    return y;
+  }
+  at::Tensor xf = x.to(at::kFloat);
+  return (xf * table.cos + RotateHalf(xf) * table.sin).to(x.scalar_type());
+}
+
+LlavaModel::~LlavaModel() = default;
+
+at::TensorOptions LlavaModel::tensor_options() const {
+  return at::TensorOptions()
+      .dtype(ScalarTypeOf(options_.dtype))
+      .device(at::Device(options_.device));
+}
+
+KvLayout LlavaModel::kv_layout() const {
+  KvLayout l;
+  l.num_layers = config_.text.num_hidden_layers;
+  l.kv_heads = config_.text.num_key_value_heads;
+  l.head_dim = config_.text.head_dim;
+  l.dtype_bytes = static_cast<int>(DTypeSize(options_.dtype));
+  return l;
+}
+
+StatusOr<std::unique_ptr<LlavaModel>> LlavaModel::Load(const std::string& dir,
+                                                       const ModelOptions& options) {
+  LLAVA_ASSIGN_OR_RETURN(LlavaConfig config, LoadLlavaConfig(dir));
+  LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(dir));
+  return FromWeights(config, std::move(reader), options);
+}
+
+StatusOr<std::unique_ptr<LlavaModel>> LlavaModel::FromWeights(const LlavaConfig& config,
+                                                              std::unique_ptr<WeightSource> weights,
+                                                              const ModelOptions& options) {
+  std::unique_ptr<LlavaModel> m(new LlavaModel());
+  m->options_ = options;
+  m->config_ = config;
+  try {
+    at::Device dev(options.device);
+    if (dev.is_cuda() && !at::hasCUDA()) {
+      return FailedPrecondition("device '" + options.device +
+                                "' requested but this libtorch has no CUDA support or no GPU");
+    }
+  } catch (const c10::Error&) {
+    return InvalidArgument("device '" + options.device + "' is not a valid device name");
+  }
+  m->weights_ = std::move(weights);
+  try {
+    LLAVA_RETURN_IF_ERROR(m->LoadWeights(m->weights_.get()));
+  } catch (const c10::Error& e) {
+    return Internal(std::string("loading weights failed: ") + e.what_without_backtrace());
+  }
+  return m;
+}
+
+Status LlavaModel::LoadWeights(WeightSource* reader) {
+  const TextConfig& t = config_.text;
+  const VisionConfig& v = config_.vision;
+  Taker take(reader, options_);
+
+  const int64_t dv = v.hidden_size, n_pos = v.num_patches() + 1;
+  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.patch_embedding.weight",
+                                 {dv, 3, v.patch_size, v.patch_size}, &patch_embedding_));
+  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.class_embedding", {dv}, &class_embedding_));
+  LLAVA_RETURN_IF_ERROR(
+      take.Get("vision.embeddings.position_embedding.weight", {n_pos, dv}, &position_embedding_));
+  LLAVA_RETURN_IF_ERROR(
+      take.GetLayerNorm("vision.pre_layrnorm", dv, v.layer_norm_eps, &pre_layernorm_));
+  clip_layers_.resize(config_.vision_layers_needed());
+  for (size_t i = 0; i < clip_layers_.size(); ++i) {
+    const std::string p = "vision.encoder.layers." + std::to_string(i);
+    ClipLayer& l = clip_layers_[i];
+    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm1", dv, v.layer_norm_eps, &l.ln1));
+    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm2", dv, v.layer_norm_eps, &l.ln2));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.q_proj", dv, dv, true, &l.q));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.k_proj", dv, dv, true, &l.k));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.v_proj", dv, dv, true, &l.v));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.out_proj", dv, dv, true, &l.out));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc1", v.intermediate_size, dv, true, &l.fc1));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc2", dv, v.intermediate_size, true, &l.fc2));
+  }
+
+  const int64_t d = t.hidden_size, hd = t.head_dim;
+  const bool pb = config_.multimodal_projector_bias;
+  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_1", d, dv, pb, &proj1_));
+  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_2", d, d, pb, &proj2_));
+
+  LLAVA_RETURN_IF_ERROR(take.Get("lm.embed_tokens.weight", {t.vocab_size, d}, &embed_tokens_));
+  layers_.resize(t.num_hidden_layers);
+  for (int i = 0; i < t.num_hidden_layers; ++i) {
+    const std::string p = "lm.layers." + std::to_string(i);
+    LlamaLayer& l = layers_[i];
+    const bool ab = t.attention_bias;
+    LLAVA_RETURN_IF_ERROR(take.Get(p + ".input_layernorm.weight", {d}, &l.input_norm));
+    LLAVA_RETURN_IF_ERROR(take.Get(p + ".post_attention_layernorm.weight", {d}, &l.post_norm));
+    Linear q, k, v, gate, up;
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".self_attn.q_proj", t.num_attention_heads * hd, d, ab, &q));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".self_attn.k_proj", t.num_key_value_heads * hd, d, ab, &k));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".self_attn.v_proj", t.num_key_value_heads * hd, d, ab, &v));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".self_attn.o_proj", d, t.num_attention_heads * hd, ab, &l.o));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".mlp.gate_proj", t.intermediate_size, d, false, &gate));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.up_proj", t.intermediate_size, d, false, &up));
+    LLAVA_RETURN_IF_ERROR(
+        take.GetLinear(p + ".mlp.down_proj", d, t.intermediate_size, false, &l.down));
+    // Stacked projections: one pass over the activations, one long weight stream per GEMM.
+    l.qkv.weight = at::cat({q.weight, k.weight, v.weight}, 0);
+    if (ab) l.qkv.bias = at::cat({q.bias, k.bias, v.bias}, 0);
+    l.gate_up.weight = at::cat({gate.weight, up.weight}, 0);
+  }
+  LLAVA_RETURN_IF_ERROR(take.Get("lm.norm.weight", {d}, &final_norm_));
+  if (t.tie_word_embeddings && !reader->Has("lm_head.weight")) {
+    lm_head_ = embed_tokens_;
+  } else {
+    LLAVA_RETURN_IF_ERROR(take.Get("lm_head.weight", {t.vocab_size, d}, &lm_head_));
+  }
+  inv_freq_ = at::pow(t.rope_theta, at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd))
+                  .reciprocal()
+                  .to(at::kFloat)
+                  .to(at::Device(options_.device));
+
+  const LlavaConfig& cfg = config_;
+  return reader->CheckAllTaken([&cfg](const std::string& name) { return Ignorable(name, cfg); });
+}
+
+std::vector<std::pair<std::string, at::Tensor*>> LlavaModel::MutableParameters() {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  auto add = [&out](const std::string& name, at::Tensor* t) {
+    if (t->defined()) out.emplace_back(name, t);
+  };
+  auto add_linear = [&add](const std::string& name, Linear* l) {
+    add(name + ".weight", &l->weight);
+    add(name + ".bias", &l->bias);
+  };
+  auto add_norm = [&add](const std::string& name, LayerNorm* n) {
+    add(name + ".weight", &n->weight);
+    add(name + ".bias", &n->bias);
+  };
+  add("vision.embeddings.patch_embedding.weight", &patch_embedding_);
+  add("vision.embeddings.class_embedding", &class_embedding_);
+  add("vision.embeddings.position_embedding.weight", &position_embedding_);
+  add_norm("vision.pre_layrnorm", &pre_layernorm_);
+  for (size_t i = 0; i < clip_layers_.size(); ++i) {
+    const std::string p = "vision.encoder.layers." + std::to_string(i);
+    ClipLayer& l = clip_layers_[i];
+    add_norm(p + ".layer_norm1", &l.ln1);
+    add_norm(p + ".layer_norm2", &l.ln2);
+    add_linear(p + ".self_attn.q_proj", &l.q);
+    add_linear(p + ".self_attn.k_proj", &l.k);
+    add_linear(p + ".self_attn.v_proj", &l.v);
+    add_linear(p + ".self_attn.out_proj", &l.out);
+    add_linear(p + ".mlp.fc1", &l.fc1);
+    add_linear(p + ".mlp.fc2", &l.fc2);
+  }
+  add_linear("projector.linear_1", &proj1_);
+  add_linear("projector.linear_2", &proj2_);
+  add("lm.embed_tokens.weight", &embed_tokens_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const std::string p = "lm.layers." + std::to_string(i);
+    LlamaLayer& l = layers_[i];
+    add(p + ".input_layernorm.weight", &l.input_norm);
+    add(p + ".post_attention_layernorm.weight", &l.post_norm);
+    add_linear(p + ".self_attn.qkv_proj", &l.qkv);
+    add_linear(p + ".self_attn.o_proj", &l.o);
+    add_linear(p + ".mlp.gate_up_proj", &l.gate_up);
+    add_linear(p + ".mlp.down_proj", &l.down);
+  }
+  add("lm.norm.weight", &final_norm_);
+  if (!lm_head_.is_same(embed_tokens_)) add("lm_head.weight", &lm_head_);
+  return out;
+}
+
+at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
+  const VisionConfig& v = config_.vision;
+  const int64_t b = pixel_values.size(0), dv = v.hidden_size, heads = v.num_attention_heads;
+  const int64_t hd = dv / heads;
+  at::Tensor px = pixel_values.to(tensor_options());
+  // [B, Dv, g, g] -> [B, N, Dv]
+  at::Tensor x = FastBf16Matmul(px) ? at::conv2d(px, patch_embedding_, {}, v.patch_size)
+                                    : at::conv2d(px.to(at::kFloat), patch_embedding_.to(at::kFloat),
+                                                 {}, v.patch_size)
+                                          .to(px.scalar_type());
+  x = x.flatten(2).transpose(1, 2);
+  x = at::cat({class_embedding_.view({1, 1, dv}).expand({b, 1, dv}), x}, 1) + position_embedding_;
+  x = pre_layernorm_(x);  // [B, N+1, Dv]
+  const int64_t s = x.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  for (const ClipLayer& l : clip_layers_) {
+    at::Tensor h = l.ln1(x);
+    auto heads_view = [&](const at::Tensor& t) {
+      return t.view({b, s, heads, hd}).transpose(1, 2);
+    };
+    at::Tensor q = heads_view(l.q(h) * scale), k = heads_view(l.k(h)), vv = heads_view(l.v(h));
+    if (!FastBf16Matmul(q)) {  // fp32 products, back to bf16 after the attention
+      q = q.to(at::kFloat), k = k.to(at::kFloat), vv = vv.to(at::kFloat);
+    }
+    at::Tensor scores = at::matmul(q, k.transpose(-1, -2));
+    at::Tensor probs;
+    if (scores.is_cpu() && !scores.requires_grad()) {
+      probs = scores.to(at::kFloat).contiguous();  // softmax rows in place (cpu_ops.h)
+      SoftmaxRows(probs.data_ptr<float>(), probs.numel() / s, s);
+    } else {
+      probs = at::softmax(scores, -1, at::kFloat);
+    }
+    at::Tensor attn = at::matmul(probs.to(vv.scalar_type()), vv)
+                          .to(x.scalar_type())
+                          .transpose(1, 2)
+                          .reshape({b, s, dv});
+    x = x + l.out(attn);
+    h = l.fc1(l.ln2(x));
+    if (v.hidden_act == "quick_gelu" && IsPlainCpuBf16(h) && h.is_contiguous()) {
+      QuickGeluBf16(reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()), h.numel());
+    } else {
+      h = v.hidden_act == "quick_gelu" ? h * at::sigmoid(1.702 * h) : Gelu(h);
+    }
+    x = x + l.fc2(h);
+  }
+  if (config_.vision_feature_select_strategy == "default") x = x.narrow(1, 1, s - 1);
+  return proj2_(Gelu(proj1_(x)));  // [B, N, D]
+}
+
+at::Tensor LlavaModel::Embed(const at::Tensor& ids) const {
+  return at::embedding(embed_tokens_, ids.to(at::Device(options_.device)));
+}
+
+at::Tensor LlavaModel::EmbedPrompt(const std::vector<int>& ids,
+                                   const std::vector<int>& image_offsets,
+                                   const at::Tensor& image_features) const {
+  std::vector<int64_t> ids64(ids.begin(), ids.end());
+  const int64_t n_img = config_.image_tokens();
+  for (int off : image_offsets) {
+    for (int64_t i = off; i < off + n_img; ++i) ids64[i] = 0;  // placeholder row, overwritten
+  }
+  at::Tensor x = Embed(at::tensor(ids64, at::kLong));  // [T, D]
+  for (size_t i = 0; i < image_offsets.size(); ++i) {
+    x.narrow(0, image_offsets[i], n_img).copy_(image_features[static_cast<int64_t>(i)]);
+  }
+  return x;
+}
+
+at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const ProbsObserver* observer) {
+  if (!FastBf16Matmul(q)) {  // the same attention in fp32 (the cache stays bf16)
+    return CachedAttention(q.to(at::kFloat), keys.to(at::kFloat), values.to(at::kFloat), observer)
+        .to(q.scalar_type());
+  }
+  const int64_t n = q.size(0), h = q.size(1), hd = q.size(2);
+  const int64_t hkv = keys.size(0), len = keys.size(1), g = h / hkv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  // Query heads sharing a KV head are stacked: [Hkv, G, n, hd].
+  at::Tensor q4 = q.permute({1, 0, 2}).reshape({hkv, g, n, hd});
+  at::Tensor keys_t = keys.transpose(1, 2);  // [Hkv, hd, L]
+  std::vector<at::Tensor> outs;
+  for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) {
+    const int64_t bn = std::min(kQueryBlock, n - i0);
+    at::Tensor qb = q4.narrow(2, i0, bn).reshape({hkv, g * bn, hd});
+    at::Tensor scores = at::matmul(qb, keys_t).mul_(scale).view({hkv, g, bn, len});
+    // Row i0+r sits at cache index len-n+i0+r and may see keys up to there.
+    at::Tensor probs;  // [Hkv, G, bn, L] fp32
+    if (scores.is_cpu() && !scores.requires_grad()) {
+      probs = scores.to(at::kFloat).contiguous();  // masked softmax in place (cpu_ops.h)
+      float* pp = probs.data_ptr<float>();
+      for (int64_t blk = 0; blk < hkv * g; ++blk) {
+        CausalSoftmaxRows(pp + blk * bn * len, bn, len, len - n + i0 + 1);
+      }
+    } else {
+      if (n > 1) {
+        at::Tensor rows = at::arange(i0, i0 + bn, at::kLong).unsqueeze(1) + (len - n);
+        at::Tensor cols = at::arange(len, at::kLong).unsqueeze(0);
+        at::Tensor masked = (cols > rows).to(scores.device());  // [bn, L]
+        scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
+      }
+      probs = at::softmax(scores, -1, at::kFloat);
+    }
+    if (observer != nullptr) (*observer)(i0, probs.view({h, bn, len}));
+    outs.push_back(at::matmul(probs.to(values.scalar_type()).view({hkv, g * bn, len}), values)
+                       .view({hkv, g, bn, hd}));
+  }
+  at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 2);  // [Hkv, G, n, hd]
+  return out.reshape({h, n, hd}).transpose(0, 1).reshape({n, h * hd});
+}
+
+at::Tensor LlavaModel::Attention(const at::Tensor& q, const at::Tensor& k_new,
+                                 const at::Tensor& v_new, int layer, KvCache* cache) const {
+  // q [n, H, hd], k_new/v_new [n, Hkv, hd] (rotated) -> out [n, H*hd]
+  cache->Append(layer, k_new.transpose(0, 1), v_new.transpose(0, 1));
+  if (!cache->WantsAttentionProbs(layer)) {
+    return CachedAttention(q, cache->Keys(layer), cache->Values(layer), nullptr);
+  }
+  // Each query block's probabilities go to the cache as they are computed, so at most
+  // [H, 256, len] of them exist at a time.
+  const ProbsObserver observe = [cache, layer](int64_t, const at::Tensor& probs) {
+    cache->ObserveAttention(layer, probs);
+  };
+  return CachedAttention(q, cache->Keys(layer), cache->Values(layer), &observe);
+}
+
+at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
+                                    const std::vector<int64_t>& offsets,
+                                    const std::vector<size_t>& decode_rows, const at::Tensor& q,
+                                    const at::Tensor& k, const at::Tensor& v, int layer) const {
+  std::vector<at::Tensor> attn(chunks.size());
+  if (!decode_rows.empty()) {
+    const size_t b = decode_rows.size();
+    std::vector<at::Tensor> keys(b), values(b), probs;
+    std::vector<bool> want(b);
+    std::vector<int64_t> rows(b);
+    bool any_want = false;
+    // [Hkv, N, hd] views made once: each sequence's row is then a single narrow.
+    const at::Tensor kt = k.transpose(0, 1), vt = v.transpose(0, 1);
+    for (size_t i = 0; i < b; ++i) {
+      KvCache* cache = chunks[decode_rows[i]].cache;
+      rows[i] = offsets[decode_rows[i]];
+      cache->Append(layer, kt.narrow(1, rows[i], 1), vt.narrow(1, rows[i], 1));
+      keys[i] = cache->Keys(layer);
+      values[i] = cache->Values(layer);
+      want[i] = cache->WantsAttentionProbs(layer);
+      any_want = any_want || want[i];
+    }
+    const bool all = b == chunks.size();  // then rows are 0..b-1 in order
+    at::Tensor out = DecodeAttention(all ? q : q.index_select(0, at::tensor(rows, at::kLong)), keys,
+                                     values, want, any_want ? &probs : nullptr);
+    for (size_t i = 0; i < b; ++i) {
+      if (want[i]) chunks[decode_rows[i]].cache->ObserveAttention(layer, probs[i]);
+    }
+    if (all) return out;
+    for (size_t i = 0; i < b; ++i) attn[decode_rows[i]] = out.narrow(0, static_cast<int64_t>(i), 1);
+  }
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (attn[c].defined()) continue;
+    const int64_t n = chunks[c].embeds.size(0);
+    attn[c] = Attention(q.narrow(0, offsets[c], n), k.narrow(0, offsets[c], n),
+                        v.narrow(0, offsets[c], n), layer, chunks[c].cache);
+  }
+  return attn.size() == 1 ? attn[0] : at::cat(attn, 0);
+}
+
+at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
+                               std::vector<at::Tensor>* layer_outputs) const {
+  const TextConfig& t = config_.text;
+  const int64_t nh = t.num_attention_heads, nkv = t.num_key_value_heads, hd = t.head_dim;
+  std::vector<at::Tensor> embeds;
+  std::vector<int64_t> offsets, logit_rows, positions;
+  int64_t total = 0;
+  for (const SequenceChunk& c : chunks) {
+    const int64_t n = c.embeds.size(0);
+    embeds.push_back(c.embeds);
+    for (int64_t i = 0; i < n; ++i) positions.push_back(c.start_position + i);
+    offsets.push_back(total);
+    if (c.all_logits) {
+      for (int64_t i = 0; i < n; ++i) logit_rows.push_back(total + i);
+    } else {
+      logit_rows.push_back(total + n - 1);
+    }
+    total += n;
+  }
+  const at::Device dev(options_.device);
+  // Chunks of one new token (decoding) share one DecodeAttention call per layer on the CPU.
+  std::vector<size_t> decode_rows;
+  // (The trainer's forward, whose weights require grad, keeps ATen's differentiable path.)
+  if (dev.is_cpu() && !embed_tokens_.requires_grad()) {
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      if (chunks[c].embeds.size(0) == 1) decode_rows.push_back(c);
+    }
+  }
+  at::Tensor x = embeds.size() == 1 ? embeds[0] : at::cat(embeds, 0);  // [N, D]
+  at::Tensor pos = at::tensor(positions, at::kLong).to(dev);           // [N]
+  const RotaryTable rope = MakeRotaryTable(pos, inv_freq_);
+
+  for (int li = 0; li < t.num_hidden_layers; ++li) {
+    const LlamaLayer& l = layers_[li];
+    at::Tensor hn = RmsNorm(x, l.input_norm, t.rms_norm_eps);
+    at::Tensor qkv = l.qkv(hn);  // [N, (H + 2 Hkv) hd]
+    at::Tensor q = ApplyRotary(qkv.narrow(1, 0, nh * hd).view({total, nh, hd}), rope);
+    at::Tensor k = ApplyRotary(qkv.narrow(1, nh * hd, nkv * hd).view({total, nkv, hd}), rope);
+    at::Tensor v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({total, nkv, hd});
+    x = x + l.o(AllAttention(chunks, offsets, decode_rows, q, k, v, li));
+    hn = RmsNorm(x, l.post_norm, t.rms_norm_eps);
+    at::Tensor gate_up = l.gate_up(hn);  // [N, 2F]
+    const int64_t f = t.intermediate_size;
+    x = x + l.down(Silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f));
+    if (layer_outputs != nullptr) layer_outputs->push_back(x);
+  }
+  for (const SequenceChunk& c : chunks) {
+    if (c.prompt_continues) {
+      c.cache->OnPromptChunkDone(c.embeds.size(0));
+    } else {
+      c.cache->OnForwardDone(c.embeds.size(0));
+    }
+  }
+
+  at::Tensor rows = at::tensor(logit_rows, at::kLong).to(dev);
+  at::Tensor last = RmsNorm(x.index_select(0, rows), final_norm_, t.rms_norm_eps);
+  // On AVX512-BF16 oneDNN, as before the other CPU paths existed (the quality tables of
+  // docs/POLICIES.md were made with it); elsewhere the kernels of every other Linear.
+  if (FastBf16Matmul(last)) return at::linear(last, lm_head_).to(at::kFloat);  // [rows, V]
+  return Linear{lm_head_, at::Tensor()}(last).to(at::kFloat);
+}
+
+}  // namespace llava

@@ -1,0 +1,217 @@
+#include "engine/model/weights.h"
+
+#include <ATen/ATen.h>
+#include <dirent.h>
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace llava {
+namespace {
+
+bool StartsWith(const std::string& s, const std::string& p) {
+  return s.compare(0, p.size(), p) == 0;
+}
+
+bool FileExists(const std::string& path) { return std::ifstream(path).good(); }
+
+at::ScalarType ToScalarType(DType d) {
+  switch (d) {
+    case DType::kF32:
+      return at::kFloat;
+    case DType::kF16:
+      return at::kHalf;
+    case DType::kBF16:
+      return at::kBFloat16;
+  }
+  return at::kFloat;
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string ShapeMismatch(const std::string& where, const std::string& name,
+                          const std::vector<int64_t>& got, const std::vector<int64_t>& want) {
+  return where + ": tensor '" + name + "' has shape " + ShapeString(got) + ", config implies " +
+         ShapeString(want);
+}
+
+std::string UnusedList(std::vector<std::string> unused) {
+  std::sort(unused.begin(), unused.end());
+  std::string list;
+  for (size_t i = 0; i < unused.size() && i < 8; ++i) list += (i ? ", " : "") + unused[i];
+  if (unused.size() > 8) list += ", ... (" + std::to_string(unused.size()) + " in all)";
+  return list;
+}
+
+class TensorMapSource final : public WeightSource {
+ public:
+  explicit TensorMapSource(std::vector<std::pair<std::string, at::Tensor>> tensors) {
+    for (auto& [name, t] : tensors) tensors_[name] = std::move(t);
+  }
+  bool Has(const std::string& name) const override { return tensors_.count(name) > 0; }
+  Status Take(const std::string& name, const std::vector<int64_t>& shape, DType dtype,
+              const std::string& device, at::Tensor* out) override {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) return NotFound("missing tensor '" + name + "'");
+    if (it->second.sizes().vec() != shape) {
+      return InvalidArgument(ShapeMismatch("weights", name, it->second.sizes().vec(), shape));
+    }
+    taken_.insert(name);
+    *out = it->second.to(at::Device(device), ToScalarType(dtype)).contiguous();
+    return Status::Ok();
+  }
+  Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const override {
+    std::vector<std::string> unused;
+    for (const auto& [name, t] : tensors_) {
+      if (!taken_.count(name) && !ignorable(name)) unused.push_back(name);
+    }
+    if (unused.empty()) return Status::Ok();
+    return InvalidArgument("unexpected tensors not used by the model: " + UnusedList(unused));
+  }
+
+ private:
+  std::unordered_map<std::string, at::Tensor> tensors_;
+  std::set<std::string> taken_;
+};
+
+}  // namespace
+
+std::unique_ptr<WeightSource> NewTensorMapSource(
+    std::vector<std::pair<std::string, at::Tensor>> tensors) {
+  return std::make_unique<TensorMapSource>(std::move(tensors));
+}
+
+StatusOr<std::string> CanonicalTensorName(const std::string& name) {
+  static const std::pair<const char*, const char*> kPrefixes[] = {
+      {"language_model.model.", "lm."},
+      {"model.language_model.", "lm."},
+      {"language_model.lm_head.", "lm_head."},
+      {"lm_head.", "lm_head."},
+      {"vision_tower.vision_model.", "vision."},
+      {"model.vision_tower.vision_model.", "vision."},
+      {"multi_modal_projector.", "projector."},
+      {"model.multi_modal_projector.", "projector."},
+      // transformers >= 5 saves the CLIP transformer without its `vision_model.` wrapper.
+      {"vision_tower.", "vision."},
+      {"model.vision_tower.", "vision."},
+  };
+  for (const auto& [from, to] : kPrefixes) {
+    if (StartsWith(name, from)) return std::string(to) + name.substr(std::string(from).size());
+  }
+  return InvalidArgument("unknown tensor '" + name + "' (not a llava-hf tensor name)");
+}
+
+StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::string& dir) {
+  std::unique_ptr<CheckpointReader> r(new CheckpointReader());
+  r->dir_ = dir;
+  std::vector<std::string> shards;
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  if (FileExists(index_path)) {
+    std::ifstream in(index_path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
+      return InvalidArgument(index_path + ": weight_map missing or not an object");
+    }
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      if (!it.value().is_string()) return InvalidArgument(index_path + ": bad entry " + it.key());
+      const std::string shard = it.value().get<std::string>();
+      if (shard.find('/') != std::string::npos) {
+        return InvalidArgument(index_path + ": shard name '" + shard +
+                               "' must be a plain file name");
+      }
+      if (std::find(shards.begin(), shards.end(), shard) == shards.end()) shards.push_back(shard);
+    }
+  } else if (FileExists(dir + "/model.safetensors")) {
+    shards.push_back("model.safetensors");
+  } else {
+    DIR* d = opendir(dir.c_str());
+    if (d == nullptr) return NotFound(dir + ": model folder not found");
+    while (dirent* e = readdir(d)) {
+      std::string n = e->d_name;
+      if (n.size() > 12 && n.compare(n.size() - 12, 12, ".safetensors") == 0) shards.push_back(n);
+    }
+    closedir(d);
+    std::sort(shards.begin(), shards.end());
+  }
+  if (shards.empty()) return NotFound(dir + ": no .safetensors files");
+
+  for (const auto& shard : shards) {
+    LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> f,
+                           SafetensorsFile::Open(dir + "/" + shard));
+    for (const auto& t : f->tensors()) {
+      auto canonical = CanonicalTensorName(t.name);
+      if (!canonical.ok()) return InvalidArgument(f->path() + ": " + canonical.status().message());
+      if (r->tensors_.count(*canonical)) {
+        return InvalidArgument(f->path() + ": tensor '" + t.name + "' duplicates '" +
+                               r->original_names_[*canonical] + "'");
+      }
+      r->tensors_[*canonical] = &t;
+      r->original_names_[*canonical] = t.name;
+    }
+    r->files_.push_back(std::move(f));
+  }
+  return r;
+}
+
+int64_t CheckpointReader::ParameterCount() const {
+  int64_t n = 0;
+  for (const auto& [name, info] : tensors_) n += info->numel();
+  return n;
+}
+
+StatusOr<int64_t> CheckpointParameterCount(const std::string& dir) {
+  LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(dir));
+  return reader->ParameterCount();
+}
+
+const TensorInfo* CheckpointReader::Find(const std::string& canonical) const {
+  auto it = tensors_.find(canonical);
+  return it == tensors_.end() ? nullptr : it->second;
+}
+
+Status CheckpointReader::Take(const std::string& canonical, const std::vector<int64_t>& shape,
+                              DType dtype, const std::string& device, at::Tensor* out) {
+  const TensorInfo* info = Find(canonical);
+  if (info == nullptr) return NotFound(dir_ + ": missing tensor '" + canonical + "'");
+  if (info->shape != shape) {
+    return InvalidArgument(ShapeMismatch(dir_, original_names_[canonical], info->shape, shape));
+  }
+  taken_.insert(canonical);
+  const at::ScalarType src_type = ToScalarType(info->dtype);
+  const bool aligned = reinterpret_cast<uintptr_t>(info->data) % DTypeSize(info->dtype) == 0;
+  at::Tensor t;
+  if (aligned) {
+    t = at::from_blob(const_cast<uint8_t*>(info->data), shape, at::TensorOptions().dtype(src_type));
+  } else {
+    t = at::empty(shape, at::TensorOptions().dtype(src_type));
+    std::memcpy(t.data_ptr(), info->data, info->nbytes);
+  }
+  const at::Device dev(device);
+  if (info->dtype == dtype && dev.is_cpu() && aligned) {
+    *out = t;  // aliases the read-only mapping: never written to
+  } else {
+    *out = t.to(dev, ToScalarType(dtype), /*non_blocking=*/false, /*copy=*/true).contiguous();
+  }
+  return Status::Ok();
+}
+
+Status CheckpointReader::CheckAllTaken(
+    const std::function<bool(const std::string&)>& ignorable) const {
+  std::vector<std::string> unused;
+  for (const auto& [name, info] : tensors_) {
+    if (!taken_.count(name) && !ignorable(name)) unused.push_back(original_names_.at(name));
+  }
+  if (unused.empty()) return Status::Ok();
+  return InvalidArgument(dir_ +
+                         ": unexpected tensors not used by the model: " + UnusedList(unused));
+}
+
+}  // namespace llava

@@ -1,0 +1,83 @@
+// A llava-hf checkpoint folder: tensor lookup under canonical names, shape checks, dtype
+// conversion, and the "every tensor used exactly once" check.
+//
+// Files: `model.safetensors`, or shards listed in `model.safetensors.index.json`, or (without
+// an index) every `*.safetensors` in the folder.
+// Canonical names (both llava-hf generations map onto them):
+//   lm.<...>          language_model.model.<...>          | model.language_model.<...>
+//   lm_head.weight    language_model.lm_head.weight       | lm_head.weight
+//   vision.<...>      vision_tower.vision_model.<...>     | model.vision_tower.vision_model.<...>
+//   projector.<...>   multi_modal_projector.<...>         | model.multi_modal_projector.<...>
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/io/safetensors.h"
+#include "engine/io/status.h"
+
+namespace at {
+class Tensor;
+}
+
+namespace llava {
+
+// Maps a checkpoint tensor name to its canonical name; error for names of neither generation.
+StatusOr<std::string> CanonicalTensorName(const std::string& name);
+
+// Where model weights come from, under canonical names: a checkpoint folder, or tensors in
+// memory (benchmarks, the trainer). The model takes each tensor once, then checks that
+// nothing unexpected is left over.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  virtual bool Has(const std::string& canonical) const = 0;
+  // Loads tensor `canonical`, which must have `shape`, as `dtype` on `device` ("cpu",
+  // "cuda", "cuda:1"). The result may alias memory the source owns, so the source must
+  // outlive the tensor.
+  virtual Status Take(const std::string& canonical, const std::vector<int64_t>& shape, DType dtype,
+                      const std::string& device, at::Tensor* out) = 0;
+  // Fails, naming them, if tensors remain that were never taken and `ignorable` rejects.
+  virtual Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const = 0;
+};
+
+// In-memory tensors with canonical names (stored in any floating dtype).
+std::unique_ptr<WeightSource> NewTensorMapSource(
+    std::vector<std::pair<std::string, at::Tensor>> tensors);
+
+class CheckpointReader final : public WeightSource {
+ public:
+  static StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& dir);
+
+  // nullptr when absent.
+  const TensorInfo* Find(const std::string& canonical) const;
+  bool Has(const std::string& canonical) const override { return Find(canonical) != nullptr; }
+
+  // When the stored dtype already matches and the device is the CPU, the tensor aliases the
+  // read-only memory mapping (no copy).
+  Status Take(const std::string& canonical, const std::vector<int64_t>& shape, DType dtype,
+              const std::string& device, at::Tensor* out) override;
+  Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const override;
+
+  const std::string& dir() const { return dir_; }
+  // The number of elements of every tensor in the folder (read from the headers).
+  int64_t ParameterCount() const;
+
+ private:
+  CheckpointReader() = default;
+  std::string dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::unordered_map<std::string, const TensorInfo*> tensors_;  // canonical -> info
+  std::unordered_map<std::string, std::string> original_names_;
+  std::set<std::string> taken_;
+};
+
+// ParameterCount() of the checkpoint folder `dir`, from the safetensors headers alone (the
+// files are mapped, not read): what `--dtype auto` needs before the weights are loaded.
+StatusOr<int64_t> CheckpointParameterCount(const std::string& dir);
+
+}  // namespace llava

@@ -1,0 +1,357 @@
+#include "engine/serving/engine.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "engine/model/llava_model.h"
+
+namespace llava {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace
+
+// A validated request waiting for admission.
+struct Engine::Pending {
+  uint64_t id = 0;
+  SamplingParams sampling;
+  CacheParams kv;
+  PreparedRequest prepared;
+  std::shared_ptr<RequestObserver> observer;
+  std::optional<Clock::time_point> deadline;
+  Clock::time_point submitted;
+};
+
+// An admitted request: its cache and decoding state. Engine thread only.
+struct Engine::Sequence {
+  std::unique_ptr<Pending> req;
+  std::unique_ptr<KvCache> cache;
+  std::unique_ptr<DecodeState> state;
+  GenerationResult result;  // counters filled as it runs
+  Clock::time_point admitted;
+  bool first_token_seen = false;
+  at::Tensor prompt_embeds;  // [T, D] while the prompt is fed in chunks; released after
+  int64_t prefilled = 0;     // prompt rows fed so far
+};
+
+Engine::Engine(const LoadedModel& model, const EngineOptions& options)
+    : model_(model), options_(options), preparer_(model, options.limits), scheduler_([&] {
+        SchedulerConfig c;
+        const KvLayout layout = model.model->kv_layout();
+        c.kv_budget_bytes = options.kv_cache_bytes;
+        c.bytes_per_entry = layout.bytes_per_entry();
+        c.num_layers = layout.num_layers;
+        c.max_batch = options.max_batch;
+        c.max_queue = options.max_queue;
+        return c;
+      }()) {
+  snapshot_.kv_budget_bytes = options.kv_cache_bytes;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Engine::~Engine() { Shutdown(std::chrono::milliseconds(0)); }
+
+Status Engine::Submit(uint64_t id, const GenerationRequest& request,
+                      std::shared_ptr<RequestObserver> observer,
+                      std::optional<Clock::time_point> deadline) {
+  const Clock::time_point now = Clock::now();
+  LLAVA_RETURN_IF_ERROR(ValidateSamplingParams(request.sampling, options_.limits.max_tokens_limit));
+  LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared,
+                         preparer_.Prepare(request, request.sampling.max_tokens));
+  auto p = std::make_unique<Pending>();
+  p->id = id;
+  p->sampling = request.sampling;
+  p->kv = request.kv_cache;
+  p->prepared = std::move(prepared);
+  p->observer = std::move(observer);
+  p->deadline = deadline;
+  p->submitted = now;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!accepting_) return Unavailable("the server is shutting down");
+  if (pending_.count(id) ||
+      std::any_of(running_ids_.begin(), running_ids_.end(), [id](uint64_t r) { return r == id; })) {
+    return InvalidArgument("request id " + std::to_string(id) + " is already in use");
+  }
+  SchedRequest sr;
+  sr.id = id;
+  sr.prompt_tokens = static_cast<int64_t>(p->prepared.prompt.ids.size());
+  sr.max_tokens = request.sampling.max_tokens;
+  sr.kv = request.kv_cache;
+  sr.segments = p->prepared.segments;
+  LLAVA_RETURN_IF_ERROR(scheduler_.Enqueue(sr));
+  pending_[id] = std::move(p);
+  snapshot_.waiting = scheduler_.waiting();
+  cv_.notify_one();
+  return Status::Ok();
+}
+
+void Engine::Cancel(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancelled_.insert(id);
+  cv_.notify_one();
+}
+
+void Engine::Shutdown(std::chrono::milliseconds grace) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    accepting_ = false;
+    if (!stop_) {
+      stop_ = true;
+      drain_until_ = Clock::now() + grace;
+    }
+    cv_.notify_one();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+EngineSnapshot Engine::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return snapshot_;
+}
+
+void Engine::Loop() {
+  while (true) {
+    std::vector<std::unique_ptr<Pending>> admitted, dropped;  // dropped: cancelled or expired
+    std::vector<Status> dropped_status;
+    std::unordered_set<uint64_t> cancel_running;
+    bool drain_expired = false, exit_loop = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(running_.empty() ? 50 : 0), [&] {
+        return stop_ || !cancelled_.empty() || scheduler_.waiting() > 0 || !running_.empty();
+      });
+      const Clock::time_point now = Clock::now();
+      drain_expired = stop_ && drain_until_ && now >= *drain_until_;
+      // Waiting requests that were cancelled, expired, or are cut off by the shutdown.
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        Pending& p = *it->second;
+        Status why;
+        if (cancelled_.count(p.id) || drain_expired) {
+          why = Status(StatusCode::kCancelled, "cancelled");
+        } else if (p.deadline && now >= *p.deadline) {
+          why = DeadlineExceeded("the deadline passed while the request was queued");
+        } else {
+          ++it;
+          continue;
+        }
+        cancelled_.erase(p.id);
+        scheduler_.Remove(p.id);
+        dropped_status.push_back(why);
+        dropped.push_back(std::move(it->second));
+        it = pending_.erase(it);
+      }
+      cancel_running.swap(cancelled_);
+      if (!drain_expired) {
+        for (uint64_t id : scheduler_.Admit()) {
+          admitted.push_back(std::move(pending_[id]));
+          pending_.erase(id);
+          running_ids_.push_back(id);
+        }
+      }
+      exit_loop = stop_ && pending_.empty() && running_.empty() && admitted.empty();
+    }
+
+    for (size_t i = 0; i < dropped.size(); ++i) {
+      Pending& p = *dropped[i];
+      if (dropped_status[i].code() == StatusCode::kCancelled) {
+        GenerationResult r;
+        r.finish = FinishReason::kCancelled;
+        r.prompt_tokens = static_cast<int>(p.prepared.prompt.ids.size());
+        r.total_seconds = Seconds(p.submitted, Clock::now());
+        p.observer->OnFinished(r);
+      } else {
+        p.observer->OnFinished(dropped_status[i]);
+      }
+    }
+    if (exit_loop) break;
+
+    const Clock::time_point now = Clock::now();
+    for (auto& seq : running_) {
+      if (drain_expired || cancel_running.count(seq->req->id)) {
+        seq->state->Abort(FinishReason::kCancelled);
+      } else if (seq->req->deadline && now >= *seq->req->deadline) {
+        seq->state->Abort(FinishReason::kError);
+        seq->result.finish = FinishReason::kError;
+        Finish(seq.get(), DeadlineExceeded("the deadline passed during generation"));
+      }
+    }
+
+    if (!admitted.empty()) {
+      for (auto& p : admitted) {
+        auto seq = std::make_unique<Sequence>();
+        seq->admitted = Clock::now();
+        p->observer->OnAdmitted(Seconds(p->submitted, seq->admitted));
+        seq->cache = NewKvCache(model_.model->kv_layout(), p->kv, p->prepared.segments);
+        seq->state = std::make_unique<DecodeState>(
+            *model_.tokenizer, p->sampling,
+            PromptTextIds(p->prepared.prompt, model_.model->config().image_token_index),
+            model_.model->config().text.eos_token_id);
+        seq->req = std::move(p);
+        running_.push_back(std::move(seq));
+      }
+    }
+    // New prompts ride in the same forward pass as the running requests' next token: the
+    // weights are read once per turn, and with a prompt-row budget (prefill_chunk) a long
+    // prompt is spread over several turns instead of stalling every stream for its whole length.
+    Step();
+
+    // Finished sequences: report and free their caches now.
+    std::vector<uint64_t> ended;
+    for (auto& seq : running_) {
+      if (seq->state->done()) {
+        if (seq->req->observer) Finish(seq.get(), GenerationResult());
+        ended.push_back(seq->req->id);
+        seq.reset();
+      }
+    }
+    running_.erase(std::remove(running_.begin(), running_.end(), nullptr), running_.end());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (uint64_t id : ended) {
+        scheduler_.Remove(id);
+        running_ids_.erase(std::remove(running_ids_.begin(), running_ids_.end(), id),
+                           running_ids_.end());
+      }
+      UpdateSnapshotLocked();
+    }
+    for (auto& [observer, result] : completions_) observer->OnFinished(result);
+    completions_.clear();
+  }
+}
+
+void Engine::Step() {
+  // Prompts first, in admission order, up to the turn's prompt-row budget; then one token for
+  // every sequence whose prompt is complete.
+  int64_t rows_left =
+      options_.prefill_chunk > 0 ? options_.prefill_chunk : std::numeric_limits<int64_t>::max();
+  struct PromptPart {
+    Sequence* seq;
+    int64_t begin, n;
+  };
+  std::vector<PromptPart> prompts;
+  std::vector<Sequence*> decoding;
+  for (auto& seq : running_) {
+    if (seq->state->done()) continue;
+    const int64_t len = static_cast<int64_t>(seq->req->prepared.prompt.ids.size());
+    if (seq->prefilled < len) {
+      // The oldest unfinished prompt always gets rows, so no prompt starves.
+      const int64_t n = std::min(len - seq->prefilled, rows_left);  // rows_left >= 0
+      if (n > 0) prompts.push_back({seq.get(), seq->prefilled, n});
+      rows_left -= n;
+    } else {
+      decoding.push_back(seq.get());
+    }
+  }
+  if (prompts.empty() && decoding.empty()) return;
+  const LlavaModel& model = *model_.model;
+  const int crop = model.config().vision.image_size;
+  try {
+    std::vector<SequenceChunk> chunks;
+    for (const PromptPart& part : prompts) {
+      Sequence* seq = part.seq;
+      const PreparedRequest& p = seq->req->prepared;
+      if (!seq->prompt_embeds.defined()) {  // first chunk: encode the images, embed the prompt
+        at::Tensor features;
+        if (p.num_images > 0) {
+          const Clock::time_point tv = Clock::now();
+          features = model.EncodeImages(at::from_blob(const_cast<float*>(p.pixels.data()),
+                                                      {p.num_images, 3, crop, crop}, at::kFloat));
+          seq->result.vision_seconds = Seconds(tv, Clock::now());
+        }
+        seq->prompt_embeds = model.EmbedPrompt(p.prompt.ids, p.prompt.image_offsets, features);
+      }
+      SequenceChunk c{seq->prompt_embeds.narrow(0, part.begin, part.n), seq->cache->NextPosition(),
+                      seq->cache.get(), false};
+      c.prompt_continues = part.begin + part.n < seq->prompt_embeds.size(0);
+      chunks.push_back(c);
+    }
+    if (!decoding.empty()) {
+      std::vector<int64_t> ids;
+      for (Sequence* s : decoding) ids.push_back(s->state->last_token());
+      at::Tensor embeds = model.Embed(at::tensor(ids, at::kLong));  // [B, D]
+      for (size_t i = 0; i < decoding.size(); ++i) {
+        chunks.push_back({embeds.narrow(0, static_cast<int64_t>(i), 1),
+                          decoding[i]->cache->NextPosition(), decoding[i]->cache.get(), false});
+      }
+    }
+    at::Tensor logits = model.Forward(chunks).to(at::kCPU).contiguous();  // [rows, V] fp32
+    const int vocab = static_cast<int>(logits.size(1));
+    float* row = logits.data_ptr<float>();
+    for (size_t i = 0; i < prompts.size(); ++i, row += vocab) {
+      Sequence* seq = prompts[i].seq;
+      seq->prefilled += prompts[i].n;
+      if (chunks[i].prompt_continues) continue;  // the row of a partial prompt predicts nothing
+      seq->prompt_embeds = at::Tensor();         // the cache holds the prompt now
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        scheduler_.PrefillDone(seq->req->id);
+      }
+      const std::string delta = seq->state->Step(row, vocab);
+      seq->result.ttft_seconds = Seconds(seq->req->submitted, Clock::now());
+      if (!delta.empty()) seq->req->observer->OnText(delta);
+    }
+    for (Sequence* seq : decoding) {
+      const std::string delta = seq->state->Step(row, vocab);
+      row += vocab;
+      if (!delta.empty()) seq->req->observer->OnText(delta);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    snapshot_.last_batch_size = static_cast<int>(chunks.size());
+  } catch (const c10::Error& e) {
+    // The failed pass may have appended to some caches: these requests cannot continue.
+    std::vector<Sequence*> failed = decoding;
+    for (const PromptPart& part : prompts) failed.push_back(part.seq);
+    for (Sequence* seq : failed) {
+      seq->state->Abort(FinishReason::kError);
+      Finish(seq, Internal(std::string("model failure: ") + e.what_without_backtrace()));
+    }
+  }
+}
+
+// Records the end of `seq` once: `result` carries an error status, or is a placeholder that is
+// filled from the sequence's state. Observers hear of it only after the cache is freed and the
+// snapshot updated, so a client that sees the end also sees the memory returned.
+void Engine::Finish(Sequence* seq, StatusOr<GenerationResult> result) {
+  if (!seq->req->observer) return;  // already reported
+  std::shared_ptr<RequestObserver> observer = std::move(seq->req->observer);
+  if (!result.ok()) {
+    completions_.emplace_back(std::move(observer), result.status());
+    return;
+  }
+  const std::string tail = seq->state->Flush();
+  if (!tail.empty()) observer->OnText(tail);
+  GenerationResult& r = seq->result;
+  r.text = seq->state->text();
+  r.tokens = seq->state->tokens();
+  r.finish = seq->state->finish_reason();
+  r.prompt_tokens = static_cast<int>(seq->req->prepared.prompt.ids.size());
+  r.image_tokens = static_cast<int>(seq->req->prepared.prompt.image_offsets.size()) *
+                   seq->req->prepared.prompt.image_rows;
+  r.completion_tokens = static_cast<int>(r.tokens.size());
+  r.kv = seq->cache->Stats();
+  r.total_seconds = Seconds(seq->req->submitted, Clock::now());
+  completions_.emplace_back(std::move(observer), r);
+}
+
+void Engine::UpdateSnapshotLocked() {
+  snapshot_.waiting = scheduler_.waiting();
+  snapshot_.running = static_cast<int>(running_.size());
+  snapshot_.kv_bytes_reserved = scheduler_.reserved_bytes();
+  int64_t used = 0, full = 0;
+  for (const auto& seq : running_) {
+    const KvStats s = seq->cache->Stats();
+    used += s.bytes_kept;
+    full += s.full_equivalent_bytes;
+  }
+  snapshot_.kv_bytes_used = used;
+  snapshot_.kv_bytes_full_equivalent = full;
+}
+
+}  // namespace llava

@@ -1,0 +1,144 @@
+// The serving engine: one thread owns the model, every request's KV cache and the scheduler,
+// and runs continuous batching (llama.cpp's server loop, vLLM's scheduler split):
+//
+//   loop: apply cancellations and deadlines -> admit waiting requests while the KV byte budget
+//         allows (Scheduler) -> one forward pass: the next rows of the prompts still being fed
+//         (at most `prefill_chunk` rows a turn, oldest request first: chunked prefill) and one
+//         decode token of every request whose prompt is complete, linear layers batched
+//         across all rows, attention per request -> stream each new piece of text to its
+//         observer -> free finished requests' caches at once.
+//
+// Network threads only call Submit/Cancel and read snapshots; everything else happens on the
+// engine thread. Requests are validated and their images decoded on the submitting thread, so
+// bad input never reaches the loop.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "engine/serving/generator.h"
+#include "engine/serving/scheduler.h"
+
+namespace llava {
+
+struct EngineOptions {
+  EngineLimits limits;
+  int64_t kv_cache_bytes = int64_t{4} << 30;  // the KV byte budget shared by all requests
+  int max_batch = 8;                          // running requests at most
+  int max_queue = 64;                         // waiting requests at most
+  // Prompt rows fed per loop turn, over all requests still prefilling (chunked prefill, as
+  // vLLM's max_num_batched_tokens); 0 = every prompt whole in its admission turn. A turn with
+  // a long prompt otherwise delays every running stream's next token by its whole prefill.
+  int64_t prefill_chunk = 0;
+};
+
+// Receives one request's output, on the engine thread: it must not block.
+class RequestObserver {
+ public:
+  virtual ~RequestObserver() = default;
+  // The request left the queue; `queue_seconds` since Submit.
+  virtual void OnAdmitted(double queue_seconds) {}
+  // New final text (never half a UTF-8 character).
+  virtual void OnText(const std::string& delta) = 0;
+  // Called exactly once, last: the result (finish reason, usage) or the error that ended it
+  // (DEADLINE_EXCEEDED, INTERNAL).
+  virtual void OnFinished(const StatusOr<GenerationResult>& result) = 0;
+};
+
+struct EngineSnapshot {
+  int waiting = 0;
+  int running = 0;
+  int64_t kv_bytes_used = 0;             // entries actually held, all requests
+  int64_t kv_bytes_full_equivalent = 0;  // what Full would hold for the same requests
+  int64_t kv_bytes_reserved = 0;         // admission reservations
+  int64_t kv_budget_bytes = 0;
+  int last_batch_size = 0;
+};
+
+// What the network layer needs from an engine; lets the gRPC layer be tested against a
+// scripted fake without a model.
+class EngineApi {
+ public:
+  virtual ~EngineApi() = default;
+  // Contract as Engine::Submit below.
+  virtual Status Submit(uint64_t id, const GenerationRequest& request,
+                        std::shared_ptr<RequestObserver> observer,
+                        std::optional<std::chrono::steady_clock::time_point> deadline) = 0;
+  virtual void Cancel(uint64_t id) = 0;
+  virtual EngineSnapshot Snapshot() const = 0;
+};
+
+class Engine final : public EngineApi {
+ public:
+  // Borrows `model` (must outlive the engine) and starts the loop thread.
+  Engine(const LoadedModel& model, const EngineOptions& options);
+  ~Engine() override;  // Shutdown(0)
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates, decodes images and tokenizes on the calling thread, then queues the request.
+  // Errors (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED for a full queue or a request
+  // that can never fit, UNAVAILABLE after shutdown) are returned here and the observer is never
+  // called; on OK the observer gets OnFinished exactly once. `id` must be unique among live
+  // requests.
+  Status Submit(uint64_t id, const GenerationRequest& request,
+                std::shared_ptr<RequestObserver> observer,
+                std::optional<std::chrono::steady_clock::time_point> deadline) override;
+  Status Submit(uint64_t id, const GenerationRequest& request,
+                std::shared_ptr<RequestObserver> observer) {
+    return Submit(id, request, std::move(observer), std::nullopt);
+  }
+
+  // Ends a request with finish reason "cancelled" and frees its cache on the next loop turn.
+  // Unknown or finished ids are ignored.
+  void Cancel(uint64_t id) override;
+
+  // Stops accepting, lets running and waiting requests finish for up to `grace`, cancels the
+  // rest, and joins the loop. Idempotent.
+  void Shutdown(std::chrono::milliseconds grace);
+
+  EngineSnapshot Snapshot() const override;  // thread-safe
+
+ private:
+  struct Pending;
+  struct Sequence;
+  void Loop();
+  // One forward pass: the next prompt rows of sequences still prefilling (within the
+  // prefill_chunk budget) and one decode token of every other running sequence, linear layers
+  // over all rows at once.
+  void Step();
+  void Finish(Sequence* seq, StatusOr<GenerationResult> result);
+  void UpdateSnapshotLocked();
+
+  const LoadedModel& model_;
+  const EngineOptions options_;
+  Generator preparer_;  // Prepare() only: validation, images, prompt
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  Scheduler scheduler_;                                               // guarded by mu_
+  std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending_;    // guarded by mu_
+  std::unordered_set<uint64_t> cancelled_;                            // guarded by mu_
+  bool accepting_ = true;                                             // guarded by mu_
+  bool stop_ = false;                                                 // guarded by mu_
+  std::optional<std::chrono::steady_clock::time_point> drain_until_;  // guarded by mu_
+  EngineSnapshot snapshot_;                                           // guarded by mu_
+
+  std::vector<std::unique_ptr<Sequence>> running_;  // engine thread only
+  std::vector<uint64_t> running_ids_;               // guarded by mu_ (for Submit's id check)
+  // Ends recorded this loop turn, delivered after caches are freed. Engine thread only.
+  std::vector<std::pair<std::shared_ptr<RequestObserver>, StatusOr<GenerationResult>>> completions_;
+  std::thread thread_;
+};
+
+}  // namespace llava
