@@ -22,10 +22,9 @@ std::optional<std::chrono::steady_clock::time_point> EngineDeadline(
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
 }
 
-void LogRequest(const std::string& id, const GenerationRequest& req,
-                const StatusOr<GenerationResult>& result, double queue_s) {
+void LogRequest(const RequestLog& log, const StatusOr<GenerationResult>& result, double queue_s) {
   if (!result.ok()) {
-    spdlog::warn("request id={} status={}", id, result.status().ToString());
+    spdlog::warn("request id={} status={}", log.id, result.status().ToString());
     return;
   }
   const GenerationResult& r = *result;
@@ -36,9 +35,9 @@ void LogRequest(const std::string& id, const GenerationRequest& req,
       "request id={} finish={} prompt_tokens={} image_tokens={} completion_tokens={} policy={} "
       "budget={:.2f} kv_bytes={} kv_full_bytes={} kv_saved={:.1f}% queue_s={:.3f} ttft_s={:.3f} "
       "total_s={:.3f}",
-      id, FinishReasonName(r.finish), r.prompt_tokens, r.image_tokens, r.completion_tokens,
-      CachePolicyName(req.kv_cache.policy), req.kv_cache.budget, r.kv.bytes_kept,
-      r.kv.full_equivalent_bytes, 100 * saved, queue_s, r.ttft_seconds, r.total_seconds);
+      log.id, FinishReasonName(r.finish), r.prompt_tokens, r.image_tokens, r.completion_tokens,
+      CachePolicyName(log.policy), log.budget, r.kv.bytes_kept, r.kv.full_equivalent_bytes,
+      100 * saved, queue_s, r.ttft_seconds, r.total_seconds);
 }
 
 // Measures the time between consecutive pieces of text of one request (engine thread).
@@ -60,8 +59,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
       : service_(service) {
     auto observer = std::make_shared<Observer>(this, response);
     uint64_t id = 0;
-    Status s =
-        service->Start(context, *request, observer, &id, &observer->request_id, &observer->request);
+    Status s = service->Start(context, *request, observer, &id, &observer->log);
     if (!s.ok()) {
       spdlog::warn("request rejected: {}", s.ToString());
       if (service->metrics()) service->metrics()->RecordRejected(s);
@@ -87,13 +85,13 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
       gaps.Tick(metrics);
     }
     void OnFinished(const StatusOr<GenerationResult>& result) override {
-      LogRequest(request_id, request, result, queue_seconds);
+      LogRequest(log, result, queue_seconds);
       if (metrics) metrics->RecordFinished(result, queue_seconds);
       if (!result.ok()) {
         reactor->Finish(ToGrpcStatus(result.status()));  // the reactor may be gone after this
         return;
       }
-      response->set_request_id(request_id);
+      response->set_request_id(log.id);
       response->set_text(text);
       response->set_finish_reason(ToProto(result->finish));
       FillUsage(*result, queue_seconds, response->mutable_usage());
@@ -103,8 +101,8 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     v1::ChatResponse* response;
     ServingMetrics* metrics;
     InterTokenClock gaps;
-    std::string text, request_id;
-    GenerationRequest request;
+    std::string text;
+    RequestLog log;
     double queue_seconds = 0;
   };
 
@@ -121,8 +119,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
       : service_(service) {
     observer_ = std::make_shared<Observer>(this);
     uint64_t id = 0;
-    Status s = service->Start(context, *request, observer_, &id, &observer_->request_id,
-                              &observer_->request);
+    Status s = service->Start(context, *request, observer_, &id, &observer_->log);
     if (!s.ok()) {
       spdlog::warn("request rejected: {}", s.ToString());
       if (service->metrics()) service->metrics()->RecordRejected(s);
@@ -150,19 +147,19 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
     void OnText(const std::string& delta) override {
       gaps.Tick(metrics);
       v1::ChatChunk chunk;
-      chunk.set_request_id(request_id);
+      chunk.set_request_id(log.id);
       chunk.set_text_delta(delta);
       reactor->Enqueue(std::move(chunk), std::nullopt);
     }
     void OnFinished(const StatusOr<GenerationResult>& result) override {
-      LogRequest(request_id, request, result, queue_seconds);
+      LogRequest(log, result, queue_seconds);
       if (metrics) metrics->RecordFinished(result, queue_seconds);
       if (!result.ok()) {
         reactor->Enqueue(std::nullopt, ToGrpcStatus(result.status()));
         return;
       }
       v1::ChatChunk last;
-      last.set_request_id(request_id);
+      last.set_request_id(log.id);
       last.set_finish_reason(ToProto(result->finish));
       FillUsage(*result, queue_seconds, last.mutable_usage());
       reactor->Enqueue(std::move(last), grpc::Status::OK);
@@ -170,8 +167,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
     ChatStreamReactor* reactor;
     ServingMetrics* metrics;
     InterTokenClock gaps;
-    std::string request_id;
-    GenerationRequest request;
+    RequestLog log;
     double queue_seconds = 0;
   };
 
@@ -248,12 +244,15 @@ LlavaServiceImpl::LlavaServiceImpl(EngineApi* engine, ServiceConfig config)
 
 Status LlavaServiceImpl::Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
                                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
-                               std::string* request_id, GenerationRequest* converted) {
-  LLAVA_ASSIGN_OR_RETURN(*converted, ToGenerationRequest(request, config_.defaults));
+                               RequestLog* log) {
+  LLAVA_ASSIGN_OR_RETURN(GenerationRequest converted,
+                         ToGenerationRequest(request, config_.defaults));
   *engine_id = next_id_.fetch_add(1);
-  *request_id =
+  log->id =
       request.request_id().empty() ? "req-" + std::to_string(*engine_id) : request.request_id();
-  return engine_->Submit(*engine_id, *converted, std::move(observer), EngineDeadline(context));
+  log->policy = converted.kv_cache.policy;
+  log->budget = converted.kv_cache.budget;
+  return engine_->Submit(*engine_id, converted, std::move(observer), EngineDeadline(context));
 }
 
 grpc::ServerUnaryReactor* LlavaServiceImpl::Chat(grpc::CallbackServerContext* context,

@@ -22,6 +22,14 @@ struct ModelFacts {
 };
 ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std::string& dtype);
 
+// What a call keeps of its request for the log line at the end: the converted request itself
+// (image bytes included) is handed to the engine and not kept by the call.
+struct RequestLog {
+  std::string id;  // the client's request_id, or "req-<engine id>"
+  CachePolicy policy = CachePolicy::kFull;
+  double budget = 1.0;
+};
+
 struct ServiceConfig {
   RequestDefaults defaults;
   ModelFacts model;
@@ -44,11 +52,10 @@ class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
 
-  // Converts and submits; on error nothing was submitted. Fills the engine id and the reply's
-  // request id. Thread-safe.
+  // Converts and submits; on error nothing was submitted. Fills the engine id and, before the
+  // engine can call `observer`, the request's log facts (its id included). Thread-safe.
   Status Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
-               std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
-               std::string* request_id, GenerationRequest* converted);
+               std::shared_ptr<RequestObserver> observer, uint64_t* engine_id, RequestLog* log);
 
   EngineApi* engine() { return engine_; }
   ServingMetrics* metrics() { return config_.metrics; }
