@@ -51,25 +51,10 @@ double MeasureReadBandwidth(int64_t bytes) {
   return best;
 }
 
+// LLaVA-1.5-7B's decoder layers and vocabulary; the vision tower is not measured here.
 llava::LlavaConfig BenchConfig(int layers) {
-  llava::LlavaConfig c;
-  c.text.hidden_size = 4096;
-  c.text.num_attention_heads = 32;
-  c.text.num_key_value_heads = 32;
-  c.text.head_dim = 128;
-  c.text.intermediate_size = 11008;
-  c.text.vocab_size = 32064;
+  llava::LlavaConfig c = llava::PresetConfig(llava::ModelPreset::kLlava7b, 32064, 32000);
   c.text.num_hidden_layers = layers;
-  c.text.max_position_embeddings = 4096;
-  // The vision tower is not measured here: keep it tiny.
-  c.vision.hidden_size = 64;
-  c.vision.intermediate_size = 128;
-  c.vision.num_hidden_layers = 2;
-  c.vision.num_attention_heads = 2;
-  c.vision.image_size = 28;
-  c.vision.patch_size = 14;
-  c.image_processor.shortest_edge = c.image_processor.crop_height = c.image_processor.crop_width =
-      28;
   return c;
 }
 

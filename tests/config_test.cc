@@ -108,5 +108,51 @@ TEST(Config, ErrorsNameTheField) {
   }
 }
 
+// The presets against configs written independently of them: LLaVA-1.5-7B's config.json above,
+// and the default model's, which llava-train wrote when it trained the shipped model.
+TEST(Config, Llava7bPresetHasLlava15DecoderShapes) {
+  auto real = ParseLlavaConfig(kLlava15Config, kLlava15Preprocessor);
+  ASSERT_TRUE(real.ok()) << real.status().ToString();
+  const LlavaConfig p = PresetConfig(ModelPreset::kLlava7b, 32064, 32000);
+  EXPECT_EQ(p.text.hidden_size, real->text.hidden_size);
+  EXPECT_EQ(p.text.intermediate_size, real->text.intermediate_size);
+  EXPECT_EQ(p.text.num_attention_heads, real->text.num_attention_heads);
+  EXPECT_EQ(p.text.num_key_value_heads, real->text.num_key_value_heads);
+  EXPECT_EQ(p.text.head_dim, real->text.head_dim);
+  EXPECT_EQ(p.text.vocab_size, real->text.vocab_size);
+  EXPECT_EQ(p.text.max_position_embeddings, real->text.max_position_embeddings);
+  EXPECT_EQ(p.image_token_index, real->image_token_index);
+  EXPECT_EQ(p.text.num_hidden_layers, 4);
+  EXPECT_EQ(p.image_tokens(), 256);
+}
+
+TEST(Config, ShapesPresetIsTheShippedDefaultModel) {
+  auto shipped = LoadLlavaConfig(std::string(LLAVA_SOURCE_DIR) + "/models/shapes-llava");
+  ASSERT_TRUE(shipped.ok()) << shipped.status().ToString();
+  const LlavaConfig p =
+      PresetConfig(ModelPreset::kShapes, shipped->text.vocab_size, shipped->image_token_index);
+  const TextConfig &a = p.text, &b = shipped->text;
+  EXPECT_EQ(a.hidden_size, b.hidden_size);
+  EXPECT_EQ(a.intermediate_size, b.intermediate_size);
+  EXPECT_EQ(a.num_hidden_layers, b.num_hidden_layers);
+  EXPECT_EQ(a.num_attention_heads, b.num_attention_heads);
+  EXPECT_EQ(a.num_key_value_heads, b.num_key_value_heads);
+  EXPECT_EQ(a.head_dim, b.head_dim);
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.max_position_embeddings, b.max_position_embeddings);
+  EXPECT_DOUBLE_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  const VisionConfig &va = p.vision, &vb = shipped->vision;
+  EXPECT_EQ(va.hidden_size, vb.hidden_size);
+  EXPECT_EQ(va.intermediate_size, vb.intermediate_size);
+  EXPECT_EQ(va.num_hidden_layers, vb.num_hidden_layers);
+  EXPECT_EQ(va.num_attention_heads, vb.num_attention_heads);
+  EXPECT_EQ(va.image_size, vb.image_size);
+  EXPECT_EQ(va.patch_size, vb.patch_size);
+  EXPECT_EQ(p.image_processor.shortest_edge, shipped->image_processor.shortest_edge);
+  EXPECT_EQ(p.image_processor.crop_height, shipped->image_processor.crop_height);
+  EXPECT_EQ(p.image_tokens(), 144);
+}
+
 }  // namespace
 }  // namespace llava
+

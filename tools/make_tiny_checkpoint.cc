@@ -64,43 +64,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", tok.status().ToString().c_str());
     return 1;
   }
-  llava::LlavaConfig c;
-  c.vision.hidden_size = 32;
-  c.vision.intermediate_size = 64;
-  c.vision.num_hidden_layers = 3;
-  c.vision.num_attention_heads = 2;
-  c.vision.image_size = 32;
-  c.vision.patch_size = 8;  // 16 image tokens
-  c.image_processor.shortest_edge = c.image_processor.crop_height = c.image_processor.crop_width =
-      32;
-  c.text.hidden_size = 64;
-  c.text.intermediate_size = 128;
-  c.text.num_hidden_layers = 2;
-  c.text.num_attention_heads = 4;
-  c.text.num_key_value_heads = 2;  // grouped KV heads
-  c.text.head_dim = 16;
-  c.text.vocab_size = ((*tok)->vocab_size() + 63) / 64 * 64;  // padded, as LLaVA's 32064
-  c.text.max_position_embeddings = 512;
-  c.text.rms_norm_eps = 1e-5;
-  c.image_token_index = (*tok)->PieceToId("<image>");
-  double matrix_std = 0.2;
-  if (preset == "bench") {
-    c.vision.hidden_size = 256;
-    c.vision.intermediate_size = 1024;
-    c.vision.num_hidden_layers = 4;
-    c.vision.num_attention_heads = 4;
-    c.vision.image_size = 224;
-    c.vision.patch_size = 14;  // 256 image tokens
-    c.image_processor.shortest_edge = c.image_processor.crop_height = c.image_processor.crop_width =
-        224;
-    c.text.hidden_size = 4096;
-    c.text.intermediate_size = 11008;
-    c.text.num_hidden_layers = 4;
-    c.text.num_attention_heads = c.text.num_key_value_heads = 32;
-    c.text.head_dim = 128;
-    c.text.max_position_embeddings = 4096;
-    matrix_std = 0.02;
-  }
+  const bool bench = preset == "bench";
+  const llava::LlavaConfig c =
+      llava::PresetConfig(bench ? llava::ModelPreset::kLlava7b : llava::ModelPreset::kTiny,
+                          (*tok)->vocab_size(), (*tok)->PieceToId("<image>"));
+  const double matrix_std = bench ? 0.02 : 0.2;
 
   const at::ScalarType st = dtype == "f32"    ? at::kFloat
                             : dtype == "bf16" ? at::kBFloat16

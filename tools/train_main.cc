@@ -249,26 +249,9 @@ at::Tensor SinCosPositions(const llava::VisionConfig& v, double rms) {
 }
 
 llava::LlavaConfig DefaultConfig(const llava::Tokenizer& tok, bool tie_embeddings) {
-  llava::LlavaConfig c;
-  c.vision.hidden_size = 192;
-  c.vision.intermediate_size = 768;
-  c.vision.num_hidden_layers = 5;  // features from layer -2: the last one is never used
-  c.vision.num_attention_heads = 6;
-  c.vision.image_size = 96;
-  c.vision.patch_size = 8;  // 144 image tokens
-  c.image_processor.shortest_edge = c.image_processor.crop_height = c.image_processor.crop_width =
-      96;
-  c.text.hidden_size = 256;
-  c.text.intermediate_size = 688;
-  c.text.num_hidden_layers = 4;
-  c.text.num_attention_heads = 4;
-  c.text.num_key_value_heads = 2;
-  c.text.head_dim = 64;
-  c.text.vocab_size = (tok.vocab_size() + 63) / 64 * 64;
-  c.text.max_position_embeddings = 1024;
-  c.text.rms_norm_eps = 1e-5;
+  llava::LlavaConfig c =
+      llava::PresetConfig(llava::ModelPreset::kShapes, tok.vocab_size(), tok.PieceToId("<image>"));
   c.text.tie_word_embeddings = tie_embeddings;
-  c.image_token_index = tok.PieceToId("<image>");
   return c;
 }
 

@@ -223,4 +223,62 @@ StatusOr<LlavaConfig> LoadLlavaConfig(const std::string& dir) {
   return ParseLlavaConfig(config, pre, dir + "/config.json");
 }
 
+LlavaConfig PresetConfig(ModelPreset preset, int vocab_size, int image_token_index) {
+  LlavaConfig c;
+  VisionConfig& v = c.vision;
+  TextConfig& t = c.text;
+  t.vocab_size = (vocab_size + 63) / 64 * 64;
+  t.rms_norm_eps = 1e-5;
+  c.image_token_index = image_token_index;
+  switch (preset) {
+    case ModelPreset::kTiny:
+      v.hidden_size = 32;
+      v.intermediate_size = 64;
+      v.num_hidden_layers = 3;
+      v.num_attention_heads = 2;
+      v.image_size = 32;
+      v.patch_size = 8;
+      t.hidden_size = 64;
+      t.intermediate_size = 128;
+      t.num_hidden_layers = 2;
+      t.num_attention_heads = 4;
+      t.num_key_value_heads = 2;  // grouped KV heads
+      t.head_dim = 16;
+      t.max_position_embeddings = 512;
+      break;
+    case ModelPreset::kShapes:
+      v.hidden_size = 192;
+      v.intermediate_size = 768;
+      v.num_hidden_layers = 5;  // features from layer -2: the last one is never used
+      v.num_attention_heads = 6;
+      v.image_size = 96;
+      v.patch_size = 8;
+      t.hidden_size = 256;
+      t.intermediate_size = 688;
+      t.num_hidden_layers = 4;
+      t.num_attention_heads = 4;
+      t.num_key_value_heads = 2;
+      t.head_dim = 64;
+      t.max_position_embeddings = 1024;
+      break;
+    case ModelPreset::kLlava7b:
+      v.hidden_size = 256;
+      v.intermediate_size = 1024;
+      v.num_hidden_layers = 4;
+      v.num_attention_heads = 4;
+      v.image_size = 224;
+      v.patch_size = 14;
+      t.hidden_size = 4096;
+      t.intermediate_size = 11008;
+      t.num_hidden_layers = 4;
+      t.num_attention_heads = t.num_key_value_heads = 32;
+      t.head_dim = 128;
+      t.max_position_embeddings = 4096;
+      break;
+  }
+  c.image_processor.shortest_edge = c.image_processor.crop_height = c.image_processor.crop_width =
+      v.image_size;
+  return c;
+}
+
 }  // namespace llava

@@ -84,4 +84,16 @@ StatusOr<LlavaConfig> ParseLlavaConfig(const std::string& config_json,
                                        const std::string& preprocessor_json,
                                        const std::string& origin = "config.json");
 
+// The model shapes this project makes itself, in one place for the tools that make them:
+enum class ModelPreset {
+  kTiny,     // the test fixture (llava-make-tiny): text 2 x 64 wide, vision 32 px, 16 image tokens
+  kShapes,   // the default model (llava-train): text 4 x 256, vision 96 px, 144 image tokens
+  kLlava7b,  // LLaVA-1.5-7B's decoder layers (4096 wide, 32 heads of 128, MLP 11008), 4 of them,
+             // with a small vision tower of 256 image tokens (llava-bench, llava-make-tiny
+             // --preset bench)
+};
+// `vocab_size` is the tokenizer's piece count (padded here to a multiple of 64, as LLaVA's
+// 32064); `image_token_index` the id of its "<image>" piece.
+LlavaConfig PresetConfig(ModelPreset preset, int vocab_size, int image_token_index);
+
 }  // namespace llava
