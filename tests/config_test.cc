@@ -155,4 +155,3 @@ TEST(Config, ShapesPresetIsTheShippedDefaultModel) {
 
 }  // namespace
 }  // namespace llava
-
