@@ -6,7 +6,6 @@
 #include <mutex>
 
 #include "engine/kernels/cpu_features.h"
-#include "engine/model/llava_model.h"
 
 namespace llava::server {
 namespace {
@@ -223,13 +222,12 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
 }  // namespace
 
 ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std::string& dtype) {
-  const LlavaConfig& c = model.model->config();
-  const KvLayout layout = model.model->kv_layout();
+  const LlavaConfig& c = model.config();
+  const KvLayout layout = model.kv_layout();
   ModelFacts f;
   f.model_path = path;
   f.dtype = dtype;
-  if (model.model->options().device.rfind("cuda", 0) != 0)
-    f.cpu_path = CpuPathName(ActiveCpuPath());
+  if (model.options().device.rfind("cuda", 0) != 0) f.cpu_path = CpuPathName(ActiveCpuPath());
   f.vocab_size = c.text.vocab_size;
   f.context_length = c.text.max_position_embeddings;
   f.image_size = c.vision.image_size;

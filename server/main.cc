@@ -14,7 +14,7 @@
 
 #include "engine/kernels/cpu_features.h"
 #include "engine/kernels/runtime.h"
-#include "engine/model/llava_model.h"
+#include "engine/model/model_options.h"
 #include "engine/serving/engine.h"
 #include "server/llava_service.h"
 

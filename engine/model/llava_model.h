@@ -19,15 +19,11 @@
 #include "engine/io/safetensors.h"
 #include "engine/io/status.h"
 #include "engine/kv/kv_cache.h"
+#include "engine/model/model_options.h"
 
 namespace llava {
 
 class WeightSource;
-
-struct ModelOptions {
-  DType dtype = DType::kBF16;  // weights and activations; kF32 for reference numerics
-  std::string device = "cpu";  // "cpu" or "cuda[:i]" (when built against a CUDA libtorch)
-};
 
 struct Linear {
   at::Tensor weight;  // [out, in]

@@ -26,6 +26,10 @@ std::vector<int> PromptTextIds(const PromptTokens& prompt, int image_token_id) {
   return ids;
 }
 
+const LlavaConfig& LoadedModel::config() const { return model->config(); }
+KvLayout LoadedModel::kv_layout() const { return model->kv_layout(); }
+const ModelOptions& LoadedModel::options() const { return model->options(); }
+
 StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
                                                  const ModelOptions& options) {
   auto loaded = std::make_unique<LoadedModel>();

@@ -11,10 +11,12 @@
 
 #include "engine/io/chat_template.h"
 #include "engine/io/image_io.h"
+#include "engine/io/model_config.h"
 #include "engine/io/status.h"
 #include "engine/io/tokenizer.h"
 #include "engine/kv/cache_policy.h"
 #include "engine/kv/kv_cache.h"
+#include "engine/model/model_options.h"
 #include "engine/serving/decode_state.h"
 #include "engine/serving/sampler.h"
 
@@ -25,13 +27,16 @@ class Tensor;
 namespace llava {
 
 class LlavaModel;
-struct ModelOptions;
 
 // A model folder, loaded: weights + tokenizer, checked against each other.
 struct LoadedModel {
   std::unique_ptr<LlavaModel> model;
   std::unique_ptr<Tokenizer> tokenizer;
   ~LoadedModel();
+  // The model's facts for callers that do not include its header (the server).
+  const LlavaConfig& config() const;
+  KvLayout kv_layout() const;
+  const ModelOptions& options() const;
 };
 StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
                                                  const ModelOptions& options);
