@@ -6,7 +6,7 @@
   scripts/colour_probe.py grouped HELDOUT_DIR OUT.jsonl  # "List the objects by color." items
 
 `grouped` writes the held-out references of the by-colour list (llava-train --grouped-prob,
-DescribeByColour in tools/shapes_world.cc), rebuilt from each description's text; `score` then
+DescribeByColour in train/shapes_world.cc), rebuilt from each description's text; `score` then
 also prints how many of those answers match their reference exactly.
 
 `make` asks "How many <colour> objects are there?" for all 8 colours about every held-out image

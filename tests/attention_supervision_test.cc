@@ -1,7 +1,7 @@
-// llava-train's attention supervision (tools/attention_supervision.h): the wrapped cache leaves
+// llava-train's attention supervision (train/attention_supervision.h): the wrapped cache leaves
 // the forward pass unchanged, its mass is a probability over the row's visible entries, and its
 // term depends only on the layers up to the supervised one.
-#include "tools/attention_supervision.h"
+#include "train/attention_supervision.h"
 
 #include <gtest/gtest.h>
 

@@ -193,7 +193,7 @@ TEST_F(TinyModelTest, BatchOfTwoEqualsEachAlone) {
 }
 
 TEST_F(TinyModelTest, LayerOutputsAreTheResidualStreamInChunkOrder) {
-  // The trainer's count probe reads these rows (tools/train_main.cc --count-weight).
+  // The trainer's count probe reads these rows (train/train_main.cc --count-weight).
   ASSERT_NE(model_, nullptr);
   const TextConfig& t = model_->config().text;
   at::Tensor a = RandomIds(9, 4), b = RandomIds(14, 5);

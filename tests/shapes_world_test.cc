@@ -1,5 +1,5 @@
 // The shapes-world data generator: deterministic, and its text agrees with its pictures.
-#include "tools/shapes_world.h"
+#include "train/shapes_world.h"
 
 #include <gtest/gtest.h>
 

@@ -47,7 +47,7 @@ std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaCo
                                                                    at::ScalarType dtype,
                                                                    double matrix_std = 0.2);
 
-// The checkpoint tensors of a model being trained (tools/train_main.cc): its current weights
+// The checkpoint tensors of a model being trained (train/train_main.cc): its current weights
 // (LlavaModel::MutableParameters), the stacked q/k/v and gate/up matrices split back into the
 // llava-hf tensors, and `init`'s values for the tensors the forward pass never reads (the last
 // vision layer, the vision post-layernorm). Canonical names in `init`'s order, as `dtype`.

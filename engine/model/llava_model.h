@@ -104,7 +104,7 @@ class LlavaModel {
                          const at::Tensor& image_features) const;
 
   // Every weight the forward pass reads, under its canonical name, for the trainer
-  // (tools/train_main.cc). The decoder's stacked projections appear as
+  // (train/train_main.cc). The decoder's stacked projections appear as
   // "lm.layers.N.self_attn.qkv_proj.weight" ([q; k; v] rows) and "lm.layers.N.mlp.gate_up_proj
   // .weight" ([gate; up] rows). Not for serving: weights are immutable once a model serves.
   std::vector<std::pair<std::string, at::Tensor*>> MutableParameters();

@@ -1,5 +1,5 @@
 // llava-train: trains the default model (a small LLaVA) from scratch on the shapes world
-// (tools/shapes_world.h), with the engine's own model code: LlavaModel::Forward runs under
+// (train/shapes_world.h), with the engine's own model code: LlavaModel::Forward runs under
 // autograd (Full caches, every row's logits), AdamW updates its weights in place.
 //
 //   1. generate a text corpus from the train seed and train tokenizer.model with spm_train;
@@ -27,9 +27,9 @@
 #include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
-#include "tools/attention_supervision.h"
 #include "tools/checkpoint_writer.h"
-#include "tools/shapes_world.h"
+#include "train/attention_supervision.h"
+#include "train/shapes_world.h"
 
 namespace {
 
@@ -49,7 +49,7 @@ struct Example {
   std::vector<int> labels;  // labels[t] = id predicted from position t (kIgnore if none)
   std::vector<int> image_offsets;
   std::vector<float> pixels;  // [3, S, S]
-  // Attention supervision: each short answer's objects (tools/attention_supervision.h).
+  // Attention supervision: each short answer's objects (train/attention_supervision.h).
   std::vector<llava::AttentionTarget> attn_targets;
   // Patch supervision (--patch-weight): per image patch, the shape, colour and size class of
   // the object it shows (kNumShapes / kNumColours / kNumSizes = background).
@@ -61,8 +61,8 @@ struct Example {
   std::vector<int64_t> inventory;
 };
 
-// What the training conversations are made of (tools/shapes_world.h SampleConversation) and
-// the shape of the attention targets (tools/attention_supervision.h).
+// What the training conversations are made of (train/shapes_world.h SampleConversation) and
+// the shape of the attention targets (train/attention_supervision.h).
 struct DataMix {
   llava::shapes::ConversationMix conversation;
   bool absent_to_bos = false;  // --attn-absent: nothing named is there -> all on <s>

@@ -1,4 +1,4 @@
-#include "tools/shapes_world.h"
+#include "train/shapes_world.h"
 
 #include <algorithm>
 #include <cctype>

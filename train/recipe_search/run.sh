@@ -1,6 +1,6 @@
 #!/bin/bash
 # Recipe search for the default model on one GPU (docs/TRAINING.md, "Learning rate: found on a
-# GPU"): eight variants of tools/recipe_search/explore.py in parallel, one results line per
+# GPU"): eight variants of train/recipe_search/explore.py in parallel, one results line per
 # evaluation appended to $RESULTS. Needs python3 with torch (CUDA), transformers, opencv,
 # sentencepiece, and the data below in the folder this script is in (the device tool carries
 # an ignored folder, e.g. .gpu/, holding explore.py, run.sh and the data):

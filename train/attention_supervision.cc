@@ -1,4 +1,4 @@
-#include "tools/attention_supervision.h"
+#include "train/attention_supervision.h"
 
 #include <ATen/ATen.h>
 

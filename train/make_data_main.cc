@@ -1,4 +1,4 @@
-// llava-make-data: writes a split of the shapes world (tools/shapes_world.h) to disk: PNG
+// llava-make-data: writes a split of the shapes world (train/shapes_world.h) to disk: PNG
 // images and an llava-eval dataset (JSONL), or the training text corpus. Deterministic: the
 // same --seed gives the same bytes. The trainer draws its training scenes in-process from its
 // own seed; --split picks the seed stream, so train and held-out scenes never share one.
@@ -11,7 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "tools/shapes_world.h"
+#include "train/shapes_world.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 # Recipe exploration for the default model on a GPU (not shipped: the model itself is trained
 # by build/llava-train on the CPU). Same architecture as ours (transformers' LLaVA, verified
 # equal to the engine by tests/hf_parity_test.cc), initialised and scheduled like
-# tools/train_main.cc; scenes from llava-make-data, rendered here.
+# train/train_main.cc; scenes from llava-make-data, rendered here.
 #   python3 explore.py NAME key=value...   (keys: see arg() calls below)
 # Prints one line per evaluation: held-out short-answer exact match (teacher-forced history,
 # which equals greedy decoding for a correct prefix), per kind, description token accuracy.
