@@ -255,10 +255,8 @@ llava::LlavaConfig DefaultConfig(const llava::Tokenizer& tok, bool tie_embedding
   return c;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"Train the default shapes LLaVA from scratch"};
+// Every flag of llava-train (AddFlags documents them).
+struct TrainFlags {
   std::string out_dir = "models/shapes-llava", init_dir;
   uint64_t seed = 0;
   int64_t steps = 3000, warmup = 150, save_every = 250;
@@ -268,174 +266,372 @@ int main(int argc, char** argv) {
          count_weight = 0;
   int count_layer = 2;
   DataMix mix;
+  std::string question_weights;
   bool attn_report = false;
   std::vector<int> attn_layers = {1, 2};
   double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
-  app.add_option("--out", out_dir, "output llava-hf folder")->capture_default_str();
-  app.add_option("--seed", seed, "seed of data, tokenizer corpus and weights")
+};
+
+void AddFlags(CLI::App& app, TrainFlags& f) {
+  app.add_option("--out", f.out_dir, "output llava-hf folder")->capture_default_str();
+  app.add_option("--seed", f.seed, "seed of data, tokenizer corpus and weights")
       ->capture_default_str();
-  app.add_option("--steps", steps, "optimizer steps (sets the cosine schedule)")
+  app.add_option("--steps", f.steps, "optimizer steps (sets the cosine schedule)")
       ->capture_default_str();
-  app.add_option("--batch", batch, "conversations per step")->capture_default_str();
-  app.add_option("--lr", lr, "peak learning rate")->capture_default_str();
-  app.add_option("--warmup", warmup, "linear warm-up steps")->capture_default_str();
-  app.add_option("--weight-decay", weight_decay, "AdamW decay of matrices")->capture_default_str();
-  app.add_option("--threads", threads, "intra-op threads")->capture_default_str();
-  app.add_option("--vocab", vocab, "tokenizer vocabulary size")->capture_default_str();
-  app.add_option("--save-every", save_every, "checkpoint interval (steps)")->capture_default_str();
-  app.add_option("--embed-std", embed_std, "initial token-embedding std")->capture_default_str();
-  app.add_option("--patch-std", patch_std, "initial patch-embedding std")->capture_default_str();
-  app.add_option("--pos-rms", pos_rms,
+  app.add_option("--batch", f.batch, "conversations per step")->capture_default_str();
+  app.add_option("--lr", f.lr, "peak learning rate")->capture_default_str();
+  app.add_option("--warmup", f.warmup, "linear warm-up steps")->capture_default_str();
+  app.add_option("--weight-decay", f.weight_decay, "AdamW decay of matrices")
+      ->capture_default_str();
+  app.add_option("--threads", f.threads, "intra-op threads")->capture_default_str();
+  app.add_option("--vocab", f.vocab, "tokenizer vocabulary size")->capture_default_str();
+  app.add_option("--save-every", f.save_every, "checkpoint interval (steps)")
+      ->capture_default_str();
+  app.add_option("--embed-std", f.embed_std, "initial token-embedding std")->capture_default_str();
+  app.add_option("--patch-std", f.patch_std, "initial patch-embedding std")->capture_default_str();
+  app.add_option("--pos-rms", f.pos_rms,
                  "RMS of the 2-D sin-cos initial patch position embedding (0 = N(0, 0.2))")
       ->capture_default_str();
-  app.add_option("--describe-prob", mix.conversation.describe,
+  app.add_option("--describe-prob", f.mix.conversation.describe,
                  "probability that a training conversation is the description alone")
       ->capture_default_str();
-  app.add_option("--subset-prob", mix.conversation.subset,
+  app.add_option("--subset-prob", f.mix.conversation.subset,
                  "probability that a training conversation describes objects of one colour or "
                  "shape (\"Describe the red objects.\")")
       ->capture_default_str();
-  app.add_option("--grouped-prob", mix.conversation.grouped,
+  app.add_option("--grouped-prob", f.mix.conversation.grouped,
                  "probability that a training conversation lists the objects grouped by colour "
                  "(\"List the objects by color.\")")
       ->capture_default_str();
-  app.add_option("--min-questions", mix.conversation.min_questions,
+  app.add_option("--min-questions", f.mix.conversation.min_questions,
                  "fewest short questions in a question conversation")
       ->capture_default_str();
-  app.add_option("--max-questions", mix.conversation.max_questions,
+  app.add_option("--max-questions", f.mix.conversation.max_questions,
                  "most short questions in a question conversation")
       ->capture_default_str();
-  std::string question_weights;
-  app.add_option("--question-weights", question_weights,
+  app.add_option("--question-weights", f.question_weights,
                  "how often each question template is drawn, e.g. \"position=0.5,count_colour=2\" "
                  "(templates not named keep the held-out split's 1, or 2/3 for each of "
                  "count_all, count_shape, count_colour; empty = the held-out draws)");
-  app.add_option("--paper-layout", mix.paper_layout,
+  app.add_option("--paper-layout", f.mix.paper_layout,
                  "share of conversations in the paper's layout (llava_v1 system prompt, the "
                  "question before the image; llava-eval --layout paper)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
-  app.add_option("--paraphrase", mix.paraphrase,
+  app.add_option("--paraphrase", f.mix.paraphrase,
                  "probability that a question is reworded (shapes_world.h Paraphrase)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
-  app.add_option("--attn-weight", attn_weight,
+  app.add_option("--attn-weight", f.attn_weight,
                  "weight of the attention supervision: head 0 of --attn-layers attends from each "
                  "short answer to the objects its question names (0 = off)")
       ->capture_default_str();
-  app.add_option("--patch-weight", patch_weight,
+  app.add_option("--patch-weight", f.patch_weight,
                  "weight of the patch supervision: a linear probe on the projector's output "
                  "(trained alongside, never saved) classifies every image row's shape, colour and "
                  "size (or background), so the image rows carry what the lookups need (0 = off)")
       ->capture_default_str();
-  app.add_option("--count-weight", count_weight,
+  app.add_option("--count-weight", f.count_weight,
                  "weight of the count supervision: a linear probe on the residual stream after "
                  "--count-layer (trained alongside, never saved) reads, from the row that predicts "
                  "every answer, how many objects of each shape and of each colour the image holds "
                  "(0 = off)")
       ->capture_default_str();
-  app.add_option("--count-layer", count_layer, "decoder layer whose output the count probe reads")
+  app.add_option("--count-layer", f.count_layer, "decoder layer whose output the count probe reads")
       ->capture_default_str();
-  app.add_option("--attn-layers", attn_layers, "decoder layers whose head 0 is supervised")
+  app.add_option("--attn-layers", f.attn_layers, "decoder layers whose head 0 is supervised")
       ->capture_default_str();
-  app.add_option("--attn-absent", mix.absent_to_bos,
+  app.add_option("--attn-absent", f.mix.absent_to_bos,
                  "questions that name a colour, shape or cell with no object there are "
                  "supervised to attend to <s>, so that absence becomes a state the model can read")
       ->capture_default_str();
-  app.add_option("--attn-count", mix.per_object,
+  app.add_option("--attn-count", f.mix.per_object,
                  "head 0 shares its attention equally between <s> and each object the question "
                  "names (every object for \"How many objects are there?\"; all on <s> when none "
                  "is there), so that the share on <s> tells how many there are")
       ->capture_default_str();
-  app.add_option("--attn-report", attn_report,
+  app.add_option("--attn-report", f.attn_report,
                  "print, at the end, every head's attention mass on the named objects in "
                  "--attn-layers per question kind (with --lr 0: a probe of any checkpoint)")
       ->capture_default_str();
-  app.add_option("--init", init_dir,
+  app.add_option("--init", f.init_dir,
                  "continue from this checkpoint of llava-train (its config, weights and "
                  "tokenizer) instead of random weights");
-  app.add_option("--tie-embeddings", tie_embeddings,
+  app.add_option("--tie-embeddings", f.tie_embeddings,
                  "one matrix for the token embeddings and the output head")
       ->capture_default_str();
-  app.add_option("--bf16", bf16, "bf16 autocast for the forward pass")->capture_default_str();
-  app.add_option("--max-minutes", minutes, "stop (and save) after this long; 0 = no limit");
-  CLI11_PARSE(app, argc, argv);
-  mix.patch_labels = patch_weight > 0;
-  if (mix.conversation.min_questions < 1 ||
-      mix.conversation.max_questions < mix.conversation.min_questions) {
-    std::fprintf(stderr, "--min-questions / --max-questions: need 1 <= min <= max\n");
-    return 2;
-  }
-  if (!question_weights.empty()) {
-    std::string error;
-    mix.conversation.question_weights =
-        llava::shapes::ParseQuestionWeights(question_weights, &error);
-    if (!mix.conversation.question_weights) {
-      std::fprintf(stderr, "--question-weights: %s\n", error.c_str());
-      return 2;
-    }
-  }
-  llava::InitTorchThreads(threads);
-  torch::manual_seed(seed);
+  app.add_option("--bf16", f.bf16, "bf16 autocast for the forward pass")->capture_default_str();
+  app.add_option("--max-minutes", f.minutes, "stop (and save) after this long; 0 = no limit");
+}
 
-  if (std::system(("mkdir -p '" + out_dir + "'").c_str()) != 0) return 1;
-  auto tok = [&]() -> llava::StatusOr<std::unique_ptr<llava::Tokenizer>> {
-    if (!init_dir.empty()) {  // continue training a model of ours: its tokenizer, its weights
-      std::error_code ec;
-      std::filesystem::copy_file(init_dir + "/tokenizer.model", out_dir + "/tokenizer.model",
-                                 std::filesystem::copy_options::overwrite_existing, ec);
-      if (ec) return llava::InvalidArgument("--init: tokenizer.model: " + ec.message());
-      return llava::Tokenizer::Load(out_dir + "/tokenizer.model");
-    }
-    const std::string corpus = out_dir + "/.corpus.txt";
-    WriteCorpus(corpus, seed, corpus_scenes, mix);
-    return llava::TrainTokenizer(corpus, out_dir, vocab);
-  }();
-  if (!tok.ok()) {
-    std::fprintf(stderr, "%s\n", tok.status().ToString().c_str());
-    return 1;
+// What CLI11 cannot check; fills the mix's derived fields. An error names the flag.
+std::string CheckFlags(TrainFlags& f) {
+  f.mix.patch_labels = f.patch_weight > 0;
+  if (f.mix.conversation.min_questions < 1 ||
+      f.mix.conversation.max_questions < f.mix.conversation.min_questions) {
+    return "--min-questions / --max-questions: need 1 <= min <= max";
   }
-  auto config_or = init_dir.empty()
-                       ? llava::StatusOr<llava::LlavaConfig>(DefaultConfig(**tok, tie_embeddings))
-                       : llava::LoadLlavaConfig(init_dir);
-  if (!config_or.ok()) {
-    std::fprintf(stderr, "--init %s: %s\n", init_dir.c_str(),
-                 config_or.status().ToString().c_str());
-    return 1;
+  if (!f.question_weights.empty()) {
+    std::string error;
+    f.mix.conversation.question_weights =
+        llava::shapes::ParseQuestionWeights(f.question_weights, &error);
+    if (!f.mix.conversation.question_weights) return "--question-weights: " + error;
   }
-  const llava::LlavaConfig config = *config_or;
-  auto init = llava::RandomLlavaWeights(config, seed, at::kFloat, 0.02);
+  return "";
+}
+
+// The tokenizer in the output folder: --init's, or one trained on a corpus of the world.
+llava::StatusOr<std::unique_ptr<llava::Tokenizer>> PrepareTokenizer(const TrainFlags& f) {
+  if (!f.init_dir.empty()) {  // continue training a model of ours: its tokenizer, its weights
+    std::error_code ec;
+    std::filesystem::copy_file(f.init_dir + "/tokenizer.model", f.out_dir + "/tokenizer.model",
+                               std::filesystem::copy_options::overwrite_existing, ec);
+    if (ec) return llava::InvalidArgument("--init: tokenizer.model: " + ec.message());
+    return llava::Tokenizer::Load(f.out_dir + "/tokenizer.model");
+  }
+  const std::string corpus = f.out_dir + "/.corpus.txt";
+  WriteCorpus(corpus, f.seed, f.corpus_scenes, f.mix);
+  return llava::TrainTokenizer(corpus, f.out_dir, f.vocab);
+}
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// The initial weights in fp32 under their checkpoint names: seeded random ones, or --init's.
+llava::StatusOr<NamedTensors> InitialWeights(const llava::LlavaConfig& config,
+                                             const TrainFlags& f) {
+  NamedTensors init = llava::RandomLlavaWeights(config, f.seed, at::kFloat, 0.02);
   {
     // LLaMA/CLIP-style small initial embeddings (the test checkpoints' N(0, 1) token
     // embeddings dwarf every layer's update, and large patch embeddings make the pre-layernorm
     // erase brightness): see docs/TRAINING.md.
     at::NoGradGuard no_grad;
-    at::Generator gen = at::detail::createCPUGenerator(seed + 1);
+    at::Generator gen = at::detail::createCPUGenerator(f.seed + 1);
     for (auto& [name, t] : init) {
-      if (name == "lm.embed_tokens.weight") t.normal_(0.0, embed_std, gen);
-      if (name == "vision.embeddings.patch_embedding.weight") t.normal_(0.0, patch_std, gen);
-      if (name == "vision.embeddings.position_embedding.weight" && pos_rms > 0) {
-        t.copy_(SinCosPositions(config.vision, pos_rms));
+      if (name == "lm.embed_tokens.weight") t.normal_(0.0, f.embed_std, gen);
+      if (name == "vision.embeddings.patch_embedding.weight") t.normal_(0.0, f.patch_std, gen);
+      if (name == "vision.embeddings.position_embedding.weight" && f.pos_rms > 0) {
+        t.copy_(SinCosPositions(config.vision, f.pos_rms));
       }
     }
   }
-  if (!init_dir.empty()) {
-    auto reader = llava::CheckpointReader::Open(init_dir);
-    llava::Status st = reader.ok() ? llava::Status() : reader.status();
-    for (auto& [name, t] : init) {
-      if (!st.ok()) break;
-      st = (*reader)->Take(name, t.sizes().vec(), llava::DType::kF32, "cpu", &t);
-      if (st.ok()) t = t.clone();  // the reader's mapping goes away below
+  if (f.init_dir.empty()) return init;
+  LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<llava::CheckpointReader> reader,
+                         llava::CheckpointReader::Open(f.init_dir));
+  for (auto& [name, t] : init) {
+    LLAVA_RETURN_IF_ERROR(reader->Take(name, t.sizes().vec(), llava::DType::kF32, "cpu", &t));
+    t = t.clone();  // the reader's mapping goes away on return
+  }
+  return init;
+}
+
+// The probes trained alongside the model and never saved (--patch-weight, --count-weight).
+constexpr int64_t kPatchClasses[3] = {llava::shapes::kNumShapes + 1, llava::shapes::kNumColours + 1,
+                                      llava::shapes::kNumSizes + 1};
+constexpr int64_t kInventory = llava::shapes::kNumShapes + llava::shapes::kNumColours;
+constexpr int64_t kCountClasses = llava::shapes::kMaxObjects + 1;
+struct Probes {
+  at::Tensor patch_w, patch_b;  // image row -> shape, colour and size logits
+  at::Tensor count_w, count_b;  // answer row -> kInventory classifications over 0..kMaxObjects
+};
+
+// What AdamW updates: matrices with weight decay; embeddings, norms and biases without.
+struct ParamGroups {
+  std::vector<at::Tensor> decay, no_decay;
+  int64_t model_parameters = 0;
+};
+
+ParamGroups TrainableParameters(llava::LlavaModel& model, const llava::LlavaConfig& config,
+                                const TrainFlags& f, Probes* probes) {
+  ParamGroups g;
+  for (auto& [name, t] : model.MutableParameters()) {
+    t->requires_grad_(true);
+    g.model_parameters += t->numel();
+    (t->dim() >= 2 && name.find("embed") == std::string::npos ? g.decay : g.no_decay).push_back(*t);
+  }
+  if (f.patch_weight > 0) {
+    const int64_t n = kPatchClasses[0] + kPatchClasses[1] + kPatchClasses[2];
+    probes->patch_w = (torch::randn({n, config.text.hidden_size}) * 0.02).requires_grad_(true);
+    probes->patch_b = torch::zeros({n}).requires_grad_(true);
+    g.decay.push_back(probes->patch_w);
+    g.no_decay.push_back(probes->patch_b);
+  }
+  if (f.count_weight > 0) {
+    probes->count_w = (torch::randn({kInventory * kCountClasses, config.text.hidden_size}) * 0.02)
+                          .requires_grad_(true);
+    probes->count_b = torch::zeros({kInventory * kCountClasses}).requires_grad_(true);
+    g.decay.push_back(probes->count_w);
+    g.no_decay.push_back(probes->count_b);
+  }
+  return g;
+}
+
+// Linear warm-up, then cosine decay to min_lr_ratio of the peak.
+double LearningRate(const TrainFlags& f, int64_t step) {
+  const double warm = std::min(1.0, (step + 1.0) / f.warmup);
+  const double progress =
+      std::min(1.0, std::max(0.0, double(step - f.warmup) / (f.steps - f.warmup)));
+  return f.lr * warm *
+         (f.min_lr_ratio + (1 - f.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
+}
+
+struct StepLosses {
+  double lm = 0, attn = 0, patch = 0, count = 0;
+  int64_t tokens = 0;  // labelled tokens of the batch
+};
+struct StepTimes {
+  double data = 0, forward = 0, backward = 0, update = 0;  // seconds, summed over the steps
+};
+
+// One optimizer step on `f.batch` fresh conversations: the language-model loss on the answers
+// plus the supervisions that are on, backward, clipped AdamW update.
+StepLosses TrainStep(llava::LlavaModel& model, const llava::Tokenizer& tok,
+                     const llava::LlavaConfig& config, const TrainFlags& f, int64_t step,
+                     const Probes& probes, const ParamGroups& params,
+                     torch::optim::AdamW& optimizer, llava::AttentionReport* report,
+                     StepTimes* times) {
+  StepLosses losses;
+  auto tick = std::chrono::steady_clock::now();
+  auto lap = [&tick](double* acc) {
+    const auto now = std::chrono::steady_clock::now();
+    *acc += std::chrono::duration<double>(now - tick).count();
+    tick = now;
+  };
+  std::vector<Example> examples;
+  std::vector<float> pixels;
+  std::vector<int64_t> labels, patch_labels[3];
+  for (int b = 0; b < f.batch; ++b) {
+    examples.push_back(MakeExample(tok, config, f.seed, step, b, f.mix));
+    const Example& e = examples.back();
+    patch_labels[0].insert(patch_labels[0].end(), e.patch_shape.begin(), e.patch_shape.end());
+    patch_labels[1].insert(patch_labels[1].end(), e.patch_colour.begin(), e.patch_colour.end());
+    patch_labels[2].insert(patch_labels[2].end(), e.patch_size.begin(), e.patch_size.end());
+    pixels.insert(pixels.end(), examples.back().pixels.begin(), examples.back().pixels.end());
+    labels.insert(labels.end(), examples.back().labels.begin(), examples.back().labels.end());
+  }
+  const int64_t s = config.vision.image_size;
+  lap(&times->data);
+  std::optional<CpuAutocast> autocast;
+  autocast.emplace(f.bf16);
+  at::Tensor pv = at::from_blob(pixels.data(), {f.batch, 3, s, s}, at::kFloat);
+  at::Tensor features = model.EncodeImages(pv);  // [B, N, D]
+  std::vector<std::unique_ptr<llava::KvCache>> caches;
+  std::vector<llava::SequenceChunk> chunks;
+  std::vector<at::Tensor> attn_terms;          // one per supervised answer and layer
+  std::vector<int64_t> count_rows, inventory;  // rows of the batch, their scenes' counts
+  int64_t batch_row = 0;
+  for (int b = 0; b < f.batch; ++b) {
+    caches.push_back(model.NewFullCache());
+    if (f.attn_weight > 0 || f.attn_report) {
+      caches.back() = llava::NewSupervisedAttentionCache(std::move(caches.back()), f.attn_layers,
+                                                         examples[b].attn_targets, &attn_terms,
+                                                         f.attn_report ? report : nullptr);
     }
-    if (!st.ok()) {
-      std::fprintf(stderr, "--init %s: %s\n", init_dir.c_str(), st.ToString().c_str());
-      return 1;
+    llava::SequenceChunk c;
+    c.embeds =
+        model.EmbedPrompt(examples[b].ids, examples[b].image_offsets, features.narrow(0, b, 1));
+    c.cache = caches.back().get();
+    c.all_logits = true;
+    for (int64_t r : examples[b].answer_rows) {
+      count_rows.push_back(batch_row + r);
+      inventory.insert(inventory.end(), examples[b].inventory.begin(), examples[b].inventory.end());
     }
+    batch_row += c.embeds.size(0);
+    chunks.push_back(c);
+  }
+  std::vector<at::Tensor> layer_outputs;
+  at::Tensor logits = model.Forward(chunks, f.count_weight > 0 ? &layer_outputs : nullptr);
+  at::Tensor target = at::tensor(labels, at::kLong);
+  at::Tensor loss = at::cross_entropy_loss(logits, target, {}, at::Reduction::Mean, kIgnore);
+  losses.lm = loss.item<double>();
+  if (f.attn_weight > 0 && !attn_terms.empty()) {
+    at::Tensor a = at::stack(attn_terms).mean();
+    losses.attn = a.item<double>();
+    loss = loss + f.attn_weight * a;
+  }
+  if (f.patch_weight > 0) {
+    // [B * N, classes]: each image row's shape, colour and size logits.
+    at::Tensor rows = features.to(at::kFloat).reshape({-1, features.size(-1)});
+    at::Tensor all = at::addmm(probes.patch_b, rows, probes.patch_w.t());
+    at::Tensor p = at::zeros({}, at::kFloat);
+    int64_t from = 0;
+    for (int k = 0; k < 3; ++k) {
+      p = p + at::cross_entropy_loss(all.narrow(1, from, kPatchClasses[k]),
+                                     at::tensor(patch_labels[k], at::kLong));
+      from += kPatchClasses[k];
+    }
+    p = p / 3;
+    losses.patch = p.item<double>();
+    loss = loss + f.patch_weight * p;
+  }
+  if (f.count_weight > 0) {
+    // The answer rows' residual stream, RMS-normalised, -> [rows, kInventory, 7] logits.
+    at::Tensor h = layer_outputs[f.count_layer]
+                       .index_select(0, at::tensor(count_rows, at::kLong))
+                       .to(at::kFloat);
+    h = h * at::rsqrt(h.pow(2).mean(-1, true) + 1e-5);
+    at::Tensor all = at::addmm(probes.count_b, h, probes.count_w.t()).to(at::kFloat);
+    at::Tensor c =
+        at::cross_entropy_loss(all.reshape({-1, kCountClasses}), at::tensor(inventory, at::kLong));
+    losses.count = c.item<double>();
+    loss = loss + f.count_weight * c;
+  }
+  autocast.reset();
+  lap(&times->forward);
+  optimizer.zero_grad();
+  loss.backward();
+  lap(&times->backward);
+  torch::nn::utils::clip_grad_norm_(params.decay, 1.0);
+  torch::nn::utils::clip_grad_norm_(params.no_decay, 1.0);
+  optimizer.step();
+  lap(&times->update);
+
+  losses.tokens = static_cast<int64_t>(labels.size());
+  return losses;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Train the default shapes LLaVA from scratch"};
+  TrainFlags f;
+  AddFlags(app, f);
+  CLI11_PARSE(app, argc, argv);
+  if (const std::string error = CheckFlags(f); !error.empty()) {
+    std::fprintf(stderr, "%s\n", error.c_str());
+    return 2;
+  }
+  llava::InitTorchThreads(f.threads);
+  torch::manual_seed(f.seed);
+
+  if (std::system(("mkdir -p '" + f.out_dir + "'").c_str()) != 0) return 1;
+  auto tok = PrepareTokenizer(f);
+  if (!tok.ok()) {
+    std::fprintf(stderr, "%s\n", tok.status().ToString().c_str());
+    return 1;
+  }
+  auto config_or = f.init_dir.empty()
+                       ? llava::StatusOr<llava::LlavaConfig>(DefaultConfig(**tok, f.tie_embeddings))
+                       : llava::LoadLlavaConfig(f.init_dir);
+  if (!config_or.ok()) {
+    std::fprintf(stderr, "--init %s: %s\n", f.init_dir.c_str(),
+                 config_or.status().ToString().c_str());
+    return 1;
+  }
+  const llava::LlavaConfig config = *config_or;
+  if (f.count_weight > 0 && (f.count_layer < 0 || f.count_layer >= config.text.num_hidden_layers)) {
+    std::fprintf(stderr, "--count-layer: %d is not one of the decoder's %d layers\n", f.count_layer,
+                 config.text.num_hidden_layers);
+    return 2;
+  }
+  auto init = InitialWeights(config, f);
+  if (!init.ok()) {
+    std::fprintf(stderr, "--init %s: %s\n", f.init_dir.c_str(), init.status().ToString().c_str());
+    return 1;
   }
   llava::ModelOptions options;
   options.dtype = llava::DType::kF32;
-  std::vector<std::pair<std::string, at::Tensor>> copies;
-  for (const auto& [name, t] : init) copies.emplace_back(name, t.clone());
+  NamedTensors copies;
+  for (const auto& [name, t] : *init) copies.emplace_back(name, t.clone());
   auto model_or =
       llava::LlavaModel::FromWeights(config, llava::NewTensorMapSource(copies), options);
   if (!model_or.ok()) {
@@ -444,59 +640,28 @@ int main(int argc, char** argv) {
   }
   llava::LlavaModel& model = **model_or;
 
-  std::vector<at::Tensor> decay, no_decay;
-  int64_t n_params = 0;
-  for (auto& [name, t] : model.MutableParameters()) {
-    t->requires_grad_(true);
-    n_params += t->numel();
-    (t->dim() >= 2 && name.find("embed") == std::string::npos ? decay : no_decay).push_back(*t);
-  }
-  // The patch probe: one linear map from the image rows to the three classifications.
-  constexpr int64_t kPatchClasses[3] = {
-      llava::shapes::kNumShapes + 1, llava::shapes::kNumColours + 1, llava::shapes::kNumSizes + 1};
-  at::Tensor probe_w, probe_b;
-  if (patch_weight > 0) {
-    const int64_t n = kPatchClasses[0] + kPatchClasses[1] + kPatchClasses[2];
-    probe_w = (torch::randn({n, config.text.hidden_size}) * 0.02).requires_grad_(true);
-    probe_b = torch::zeros({n}).requires_grad_(true);
-    decay.push_back(probe_w);
-    no_decay.push_back(probe_b);
-  }
-  // The count probe: per answer row, kNumShapes + kNumColours classifications over 0..6.
-  constexpr int64_t kInventory = llava::shapes::kNumShapes + llava::shapes::kNumColours;
-  constexpr int64_t kCountClasses = llava::shapes::kMaxObjects + 1;
-  if (count_weight > 0 && (count_layer < 0 || count_layer >= config.text.num_hidden_layers)) {
-    std::fprintf(stderr, "--count-layer: %d is not one of the decoder's %d layers\n", count_layer,
-                 config.text.num_hidden_layers);
-    return 2;
-  }
-  at::Tensor count_w, count_b;
-  if (count_weight > 0) {
-    count_w = (torch::randn({kInventory * kCountClasses, config.text.hidden_size}) * 0.02)
-                  .requires_grad_(true);
-    count_b = torch::zeros({kInventory * kCountClasses}).requires_grad_(true);
-    decay.push_back(count_w);
-    no_decay.push_back(count_b);
-  }
+  Probes probes;
+  const ParamGroups params = TrainableParameters(model, config, f, &probes);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(
-      decay, std::make_unique<torch::optim::AdamWOptions>(
-                 torch::optim::AdamWOptions(lr).betas({0.9, 0.98}).weight_decay(weight_decay)));
-  groups.emplace_back(no_decay,
+      params.decay,
+      std::make_unique<torch::optim::AdamWOptions>(
+          torch::optim::AdamWOptions(f.lr).betas({0.9, 0.98}).weight_decay(f.weight_decay)));
+  groups.emplace_back(params.no_decay,
                       std::make_unique<torch::optim::AdamWOptions>(
-                          torch::optim::AdamWOptions(lr).betas({0.9, 0.98}).weight_decay(0)));
+                          torch::optim::AdamWOptions(f.lr).betas({0.9, 0.98}).weight_decay(0)));
   torch::optim::AdamW optimizer(groups);
   std::printf("model: %.2f M trained parameters, vocab %d, %d image tokens; %lld steps x %d\n",
-              n_params / 1e6, config.text.vocab_size, config.image_tokens(),
-              static_cast<long long>(steps), batch);
+              params.model_parameters / 1e6, config.text.vocab_size, config.image_tokens(),
+              static_cast<long long>(f.steps), f.batch);
 
   auto save = [&](const char* why) {
     torch::NoGradGuard no_grad;
-    auto tensors = llava::TrainedCheckpointTensors(model, init, at::kBFloat16);
-    llava::Status st = tensors.ok() ? llava::WriteLlavaCheckpoint(out_dir, config, *tensors,
+    auto tensors = llava::TrainedCheckpointTensors(model, *init, at::kBFloat16);
+    llava::Status st = tensors.ok() ? llava::WriteLlavaCheckpoint(f.out_dir, config, *tensors,
                                                                   llava::TensorNaming::kOld, 1)
                                     : tensors.status();
-    std::printf("%s: saved %s (%s)\n", why, out_dir.c_str(),
+    std::printf("%s: saved %s (%s)\n", why, f.out_dir.c_str(),
                 st.ok() ? "ok" : st.ToString().c_str());
     std::fflush(stdout);
     return st.ok();
@@ -504,149 +669,49 @@ int main(int argc, char** argv) {
 
   const auto t0 = std::chrono::steady_clock::now();
   llava::AttentionReport report;
-  double ema_loss = 0, ema_attn = 0, ema_patch = 0, ema_count = 0, t_data = 0, t_forward = 0,
-         t_backward = 0, t_update = 0;
+  StepTimes times;
+  double ema_loss = 0, ema_attn = 0, ema_patch = 0, ema_count = 0;
   int64_t tokens_done = 0;
-  for (int64_t step = 0; step < steps; ++step) {
-    const double warm = std::min(1.0, (step + 1.0) / warmup);
-    const double progress = std::min(1.0, std::max(0.0, double(step - warmup) / (steps - warmup)));
-    const double cur_lr =
-        lr * warm * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
+  for (int64_t step = 0; step < f.steps; ++step) {
+    const double cur_lr = LearningRate(f, step);
     for (auto& g : optimizer.param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(g.options()).lr(cur_lr);
     }
+    const StepLosses losses =
+        TrainStep(model, **tok, config, f, step, probes, params, optimizer, &report, &times);
 
-    auto tick = std::chrono::steady_clock::now();
-    auto lap = [&tick](double* acc) {
-      const auto now = std::chrono::steady_clock::now();
-      *acc += std::chrono::duration<double>(now - tick).count();
-      tick = now;
-    };
-    std::vector<Example> examples;
-    std::vector<float> pixels;
-    std::vector<int64_t> labels, patch_labels[3];
-    for (int b = 0; b < batch; ++b) {
-      examples.push_back(MakeExample(**tok, config, seed, step, b, mix));
-      const Example& e = examples.back();
-      patch_labels[0].insert(patch_labels[0].end(), e.patch_shape.begin(), e.patch_shape.end());
-      patch_labels[1].insert(patch_labels[1].end(), e.patch_colour.begin(), e.patch_colour.end());
-      patch_labels[2].insert(patch_labels[2].end(), e.patch_size.begin(), e.patch_size.end());
-      pixels.insert(pixels.end(), examples.back().pixels.begin(), examples.back().pixels.end());
-      labels.insert(labels.end(), examples.back().labels.begin(), examples.back().labels.end());
-    }
-    const int64_t s = config.vision.image_size;
-    lap(&t_data);
-    std::optional<CpuAutocast> autocast;
-    autocast.emplace(bf16);
-    at::Tensor pv = at::from_blob(pixels.data(), {batch, 3, s, s}, at::kFloat);
-    at::Tensor features = model.EncodeImages(pv);  // [B, N, D]
-    std::vector<std::unique_ptr<llava::KvCache>> caches;
-    std::vector<llava::SequenceChunk> chunks;
-    std::vector<at::Tensor> attn_terms;          // one per supervised answer and layer
-    std::vector<int64_t> count_rows, inventory;  // rows of the batch, their scenes' counts
-    int64_t batch_row = 0;
-    for (int b = 0; b < batch; ++b) {
-      caches.push_back(model.NewFullCache());
-      if (attn_weight > 0 || attn_report) {
-        caches.back() = llava::NewSupervisedAttentionCache(std::move(caches.back()), attn_layers,
-                                                           examples[b].attn_targets, &attn_terms,
-                                                           attn_report ? &report : nullptr);
-      }
-      llava::SequenceChunk c;
-      c.embeds =
-          model.EmbedPrompt(examples[b].ids, examples[b].image_offsets, features.narrow(0, b, 1));
-      c.cache = caches.back().get();
-      c.all_logits = true;
-      for (int64_t r : examples[b].answer_rows) {
-        count_rows.push_back(batch_row + r);
-        inventory.insert(inventory.end(), examples[b].inventory.begin(),
-                         examples[b].inventory.end());
-      }
-      batch_row += c.embeds.size(0);
-      chunks.push_back(c);
-    }
-    std::vector<at::Tensor> layer_outputs;
-    at::Tensor logits = model.Forward(chunks, count_weight > 0 ? &layer_outputs : nullptr);
-    at::Tensor target = at::tensor(labels, at::kLong);
-    at::Tensor loss = at::cross_entropy_loss(logits, target, {}, at::Reduction::Mean, kIgnore);
-    const double lm_loss = loss.item<double>();
-    double attn_loss = 0;
-    if (attn_weight > 0 && !attn_terms.empty()) {
-      at::Tensor a = at::stack(attn_terms).mean();
-      attn_loss = a.item<double>();
-      loss = loss + attn_weight * a;
-    }
-    double patch_loss = 0;
-    if (patch_weight > 0) {
-      // [B * N, classes]: each image row's shape, colour and size logits.
-      at::Tensor rows = features.to(at::kFloat).reshape({-1, features.size(-1)});
-      at::Tensor all = at::addmm(probe_b, rows, probe_w.t());
-      at::Tensor p = at::zeros({}, at::kFloat);
-      int64_t from = 0;
-      for (int k = 0; k < 3; ++k) {
-        p = p + at::cross_entropy_loss(all.narrow(1, from, kPatchClasses[k]),
-                                       at::tensor(patch_labels[k], at::kLong));
-        from += kPatchClasses[k];
-      }
-      p = p / 3;
-      patch_loss = p.item<double>();
-      loss = loss + patch_weight * p;
-    }
-    double count_loss = 0;
-    if (count_weight > 0) {
-      // The answer rows' residual stream, RMS-normalised, -> [rows, kInventory, 7] logits.
-      at::Tensor h = layer_outputs[count_layer]
-                         .index_select(0, at::tensor(count_rows, at::kLong))
-                         .to(at::kFloat);
-      h = h * at::rsqrt(h.pow(2).mean(-1, true) + 1e-5);
-      at::Tensor all = at::addmm(count_b, h, count_w.t()).to(at::kFloat);
-      at::Tensor c = at::cross_entropy_loss(all.reshape({-1, kCountClasses}),
-                                            at::tensor(inventory, at::kLong));
-      count_loss = c.item<double>();
-      loss = loss + count_weight * c;
-    }
-    autocast.reset();
-    lap(&t_forward);
-    optimizer.zero_grad();
-    loss.backward();
-    lap(&t_backward);
-    torch::nn::utils::clip_grad_norm_(decay, 1.0);
-    torch::nn::utils::clip_grad_norm_(no_decay, 1.0);
-    optimizer.step();
-    lap(&t_update);
-
-    tokens_done += static_cast<int64_t>(labels.size());
-    const double l = lm_loss;
+    tokens_done += losses.tokens;
+    const double l = losses.lm;
     ema_loss = step == 0 ? l : 0.95 * ema_loss + 0.05 * l;
-    ema_attn = step == 0 ? attn_loss : 0.95 * ema_attn + 0.05 * attn_loss;
-    ema_patch = step == 0 ? patch_loss : 0.95 * ema_patch + 0.05 * patch_loss;
-    ema_count = step == 0 ? count_loss : 0.95 * ema_count + 0.05 * count_loss;
+    ema_attn = step == 0 ? losses.attn : 0.95 * ema_attn + 0.05 * losses.attn;
+    ema_patch = step == 0 ? losses.patch : 0.95 * ema_patch + 0.05 * losses.patch;
+    ema_count = step == 0 ? losses.count : 0.95 * ema_count + 0.05 * losses.count;
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (step % 10 == 0 || step + 1 == steps) {
-      const double eta = elapsed / (step + 1) * (steps - step - 1);
+    if (step % 10 == 0 || step + 1 == f.steps) {
+      const double eta = elapsed / (step + 1) * (f.steps - step - 1);
       std::printf(
           "step %5lld/%lld  loss %.4f (ema %.4f)  lr %.2e  %.0f tok/s  elapsed %.1f min  ETA %.1f "
           "min%s%s%s\n",
-          static_cast<long long>(step + 1), static_cast<long long>(steps), l, ema_loss, cur_lr,
+          static_cast<long long>(step + 1), static_cast<long long>(f.steps), l, ema_loss, cur_lr,
           tokens_done / elapsed, elapsed / 60, eta / 60,
-          attn_weight > 0 ? ("  attention " + std::to_string(ema_attn)).c_str() : "",
-          patch_weight > 0 ? ("  patches " + std::to_string(ema_patch)).c_str() : "",
-          count_weight > 0 ? ("  counts " + std::to_string(ema_count)).c_str() : "");
+          f.attn_weight > 0 ? ("  attention " + std::to_string(ema_attn)).c_str() : "",
+          f.patch_weight > 0 ? ("  patches " + std::to_string(ema_patch)).c_str() : "",
+          f.count_weight > 0 ? ("  counts " + std::to_string(ema_count)).c_str() : "");
       if (step % 100 == 0) {
         std::printf(
             "  time per step: data %.3f s, forward %.3f s, backward %.3f s, update %.3f s\n",
-            t_data / (step + 1), t_forward / (step + 1), t_backward / (step + 1),
-            t_update / (step + 1));
+            times.data / (step + 1), times.forward / (step + 1), times.backward / (step + 1),
+            times.update / (step + 1));
       }
       std::fflush(stdout);
     }
-    if ((step + 1) % save_every == 0 && step + 1 < steps && !save("checkpoint")) return 1;
-    if (minutes > 0 && elapsed > minutes * 60) {
+    if ((step + 1) % f.save_every == 0 && step + 1 < f.steps && !save("checkpoint")) return 1;
+    if (f.minutes > 0 && elapsed > f.minutes * 60) {
       std::printf("time limit reached at step %lld\n", static_cast<long long>(step + 1));
       break;
     }
   }
-  if (attn_report) llava::PrintAttentionReport(report);
+  if (f.attn_report) llava::PrintAttentionReport(report);
   return save("final") ? 0 : 1;
 }
