@@ -251,21 +251,13 @@ void Engine::Step() {
   }
   if (prompts.empty() && decoding.empty()) return;
   const LlavaModel& model = *model_.model;
-  const int crop = model.config().vision.image_size;
   try {
     std::vector<SequenceChunk> chunks;
     for (const PromptPart& part : prompts) {
       Sequence* seq = part.seq;
       const PreparedRequest& p = seq->req->prepared;
       if (!seq->prompt_embeds.defined()) {  // first chunk: encode the images, embed the prompt
-        at::Tensor features;
-        if (p.num_images > 0) {
-          const Clock::time_point tv = Clock::now();
-          features = model.EncodeImages(at::from_blob(const_cast<float*>(p.pixels.data()),
-                                                      {p.num_images, 3, crop, crop}, at::kFloat));
-          seq->result.vision_seconds = Seconds(tv, Clock::now());
-        }
-        seq->prompt_embeds = model.EmbedPrompt(p.prompt.ids, p.prompt.image_offsets, features);
+        seq->prompt_embeds = EmbedPreparedPrompt(model, p, &seq->result.vision_seconds);
       }
       SequenceChunk c{seq->prompt_embeds.narrow(0, part.begin, part.n), seq->cache->NextPosition(),
                       seq->cache.get(), false};

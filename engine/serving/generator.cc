@@ -94,9 +94,8 @@ StatusOr<PreparedRequest> Generator::Prepare(const GenerationRequest& req, int64
   return out;
 }
 
-at::Tensor Generator::Prefill(const PreparedRequest& prepared, KvCache* cache,
-                              double* vision_seconds) const {
-  const LlavaModel& model = *m_.model;
+at::Tensor EmbedPreparedPrompt(const LlavaModel& model, const PreparedRequest& prepared,
+                               double* vision_seconds) {
   const int crop = model.config().vision.image_size;
   at::Tensor features;
   if (prepared.num_images > 0) {
@@ -106,8 +105,27 @@ at::Tensor Generator::Prefill(const PreparedRequest& prepared, KvCache* cache,
     features = model.EncodeImages(px);
     if (vision_seconds != nullptr) *vision_seconds = SecondsSince(tv);
   }
+  return model.EmbedPrompt(prepared.prompt.ids, prepared.prompt.image_offsets, features);
+}
+
+namespace {
+
+// One decode row: `token` at the cache's next position.
+SequenceChunk DecodeChunk(const LlavaModel& model, int token, KvCache* cache) {
   SequenceChunk chunk;
-  chunk.embeds = model.EmbedPrompt(prepared.prompt.ids, prepared.prompt.image_offsets, features);
+  chunk.embeds = model.Embed(at::tensor({static_cast<int64_t>(token)}, at::kLong));
+  chunk.start_position = cache->NextPosition();
+  chunk.cache = cache;
+  return chunk;
+}
+
+}  // namespace
+
+at::Tensor Generator::Prefill(const PreparedRequest& prepared, KvCache* cache,
+                              double* vision_seconds) const {
+  const LlavaModel& model = *m_.model;
+  SequenceChunk chunk;
+  chunk.embeds = EmbedPreparedPrompt(model, prepared, vision_seconds);
   chunk.start_position = cache->NextPosition();
   chunk.cache = cache;
   return model.Forward({chunk});
@@ -135,11 +153,7 @@ StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
       score.nll_sum -= logp[ids[i]].item<double>();
       ++score.tokens;
       if (i + 1 == ids.size()) break;
-      SequenceChunk chunk;
-      chunk.embeds = model.Embed(at::tensor({static_cast<int64_t>(ids[i])}, at::kLong));
-      chunk.start_position = cache->NextPosition();
-      chunk.cache = cache.get();
-      logits = model.Forward({chunk});
+      logits = model.Forward({DecodeChunk(model, ids[i], cache.get())});
     }
     score.decode_seconds = SecondsSince(t0);
     score.kv = cache->Stats();
@@ -173,11 +187,7 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
       if (first) result.ttft_seconds = SecondsSince(t0);
       if (!delta.empty() && on_text && !on_text(delta)) state.Abort(FinishReason::kCancelled);
       if (state.done()) break;
-      SequenceChunk chunk;
-      chunk.embeds = model.Embed(at::tensor({static_cast<int64_t>(state.last_token())}, at::kLong));
-      chunk.start_position = cache->NextPosition();
-      chunk.cache = cache.get();
-      logits = model.Forward({chunk});
+      logits = model.Forward({DecodeChunk(model, state.last_token(), cache.get())});
     }
     const std::string tail = state.Flush();
     if (!tail.empty() && on_text) on_text(tail);

@@ -96,6 +96,13 @@ struct PreparedRequest {
   int num_images = 0;
 };
 
+// The prompt's embeddings [T, D]: the images through the vision tower and the projector,
+// spliced into the token embeddings at their image rows. `vision_seconds` (may be null) gets
+// the vision tower's time. Both the one-shot generator and the batching engine start a request
+// here.
+at::Tensor EmbedPreparedPrompt(const LlavaModel& model, const PreparedRequest& prepared,
+                               double* vision_seconds);
+
 class Generator {
  public:
   // Borrows `loaded`; it must outlive the Generator.
