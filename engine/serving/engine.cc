@@ -42,7 +42,7 @@ struct Engine::Sequence {
 };
 
 Engine::Engine(const LoadedModel& model, const EngineOptions& options)
-    : model_(model), options_(options), preparer_(model, options.limits), scheduler_([&] {
+    : model_(model), options_(options), scheduler_([&] {
         SchedulerConfig c;
         const KvLayout layout = model.model->kv_layout();
         c.kv_budget_bytes = options.kv_cache_bytes;
@@ -64,7 +64,8 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
   const Clock::time_point now = Clock::now();
   LLAVA_RETURN_IF_ERROR(ValidateSamplingParams(request.sampling, options_.limits.max_tokens_limit));
   LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared,
-                         preparer_.Prepare(request, request.sampling.max_tokens));
+                         PrepareRequest(request, model_.config(), *model_.tokenizer,
+                                        options_.limits, request.sampling.max_tokens));
   auto p = std::make_unique<Pending>();
   p->id = id;
   p->sampling = request.sampling;

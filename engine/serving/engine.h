@@ -122,7 +122,6 @@ class Engine final : public EngineApi {
 
   const LoadedModel& model_;
   const EngineOptions options_;
-  Generator preparer_;  // Prepare() only: validation, images, prompt
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -18,14 +18,6 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 
 LoadedModel::~LoadedModel() = default;
 
-std::vector<int> PromptTextIds(const PromptTokens& prompt, int image_token_id) {
-  std::vector<int> ids;
-  for (int id : prompt.ids) {
-    if (id != image_token_id) ids.push_back(id);
-  }
-  return ids;
-}
-
 const LlavaConfig& LoadedModel::config() const { return model->config(); }
 KvLayout LoadedModel::kv_layout() const { return model->kv_layout(); }
 const ModelOptions& LoadedModel::options() const { return model->options(); }
@@ -56,43 +48,6 @@ bool ResolveModelDType(const std::string& name, const std::string& dir, ModelOpt
 }
 
 double AnswerScore::Perplexity() const { return tokens > 0 ? std::exp(nll_sum / tokens) : 0.0; }
-
-StatusOr<PreparedRequest> Generator::Prepare(const GenerationRequest& req, int64_t reserve) const {
-  const LlavaConfig& cfg = m_.model->config();
-  LLAVA_RETURN_IF_ERROR(ValidateCacheParams(req.kv_cache));
-  PreparedRequest out;
-  out.num_images = static_cast<int>(req.images.size());
-  // Images: decode and preprocess before touching the model, so bad input fails fast.
-  for (size_t i = 0; i < req.images.size(); ++i) {
-    const std::string field =
-        i < req.image_fields.size() ? req.image_fields[i] : "images[" + std::to_string(i) + "]";
-    LLAVA_ASSIGN_OR_RETURN(RgbImage img, DecodeImage(req.images[i], limits_.image, field));
-    std::vector<float> p = PreprocessImage(img, cfg.image_processor);
-    out.pixels.insert(out.pixels.end(), p.begin(), p.end());
-  }
-  LLAVA_ASSIGN_OR_RETURN(
-      out.prompt, BuildPrompt(*m_.tokenizer, req.messages, out.num_images, cfg.image_token_index,
-                              cfg.image_tokens(), limits_.prompt));
-  const int64_t prompt_tokens = static_cast<int64_t>(out.prompt.ids.size());
-  for (int offset : out.prompt.image_offsets) {
-    out.segments.images.push_back({offset, offset + out.prompt.image_rows});
-  }
-  out.segments.instruction = {out.prompt.instruction_begin, prompt_tokens};
-  if (out.prompt.system_end > 0) out.segments.system = {1, out.prompt.system_end};
-  out.segments.question = {out.prompt.question_begin, out.prompt.question_end};
-  if (limits_.max_prompt_tokens > 0 && prompt_tokens > limits_.max_prompt_tokens) {
-    return InvalidArgument("messages: the prompt has " + std::to_string(prompt_tokens) +
-                           " tokens (image rows included), more than this server's limit of " +
-                           std::to_string(limits_.max_prompt_tokens));
-  }
-  const int64_t context = cfg.text.max_position_embeddings;
-  if (static_cast<int64_t>(out.prompt.ids.size()) + reserve > context) {
-    return InvalidArgument("the prompt (" + std::to_string(out.prompt.ids.size()) +
-                           " tokens) plus sampling.max_tokens (" + std::to_string(reserve) +
-                           ") exceeds the context length " + std::to_string(context));
-  }
-  return out;
-}
 
 at::Tensor EmbedPreparedPrompt(const LlavaModel& model, const PreparedRequest& prepared,
                                double* vision_seconds) {
@@ -140,7 +95,9 @@ StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
   opt.parse_special = false;
   std::vector<int> ids = tok.Encode(" " + answer, opt);
   ids.push_back(tok.eos_id());
-  LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared, Prepare(req, static_cast<int64_t>(ids.size())));
+  LLAVA_ASSIGN_OR_RETURN(
+      PreparedRequest prepared,
+      PrepareRequest(req, model.config(), tok, limits_, static_cast<int64_t>(ids.size())));
   AnswerScore score;
   try {
     std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache, prepared.segments);
@@ -170,7 +127,8 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
   const Tokenizer& tok = *m_.tokenizer;
   const LlavaConfig& cfg = model.config();
   LLAVA_RETURN_IF_ERROR(ValidateSamplingParams(req.sampling, limits_.max_tokens_limit));
-  LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared, Prepare(req, req.sampling.max_tokens));
+  LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared, PrepareRequest(req, model.config(), tok, limits_,
+                                                                  req.sampling.max_tokens));
   const PromptTokens& prompt = prepared.prompt;
 
   GenerationResult result;

@@ -1,7 +1,7 @@
 // Loading a model folder and running one request end to end: validate, decode images, build
 // the prompt, prefill, decode token by token with sampling, stop strings and EOS, stream text.
-// The continuous-batching engine (engine.h) prepares its requests through Generator::Prepare
-// and runs the prefill and decode steps itself, for many requests at once.
+// The request types and their preparation are in request.h, shared with the continuous-batching
+// engine (engine.h), which runs the prefill and decode steps itself for many requests at once.
 #pragma once
 
 #include <functional>
@@ -18,6 +18,7 @@
 #include "engine/kv/kv_cache.h"
 #include "engine/model/model_options.h"
 #include "engine/serving/decode_state.h"
+#include "engine/serving/request.h"
 #include "engine/serving/sampler.h"
 
 namespace at {
@@ -46,36 +47,6 @@ StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
 bool ResolveModelDType(const std::string& name, const std::string& dir, ModelOptions* options,
                        std::string* why);
 
-struct GenerationRequest {
-  std::vector<ChatMessage> messages;
-  std::vector<std::string> images;  // encoded image bytes, referenced by ContentPart::image_index
-  SamplingParams sampling;
-  CacheParams kv_cache;  // default: Elastic at budget 1 (= Full)
-  // How errors name each image (the API's field path); "images[i]" when absent.
-  std::vector<std::string> image_fields;
-};
-
-struct EngineLimits {
-  ImageLimits image;
-  PromptLimits prompt;
-  int max_tokens_limit = 4096;  // upper bound for sampling.max_tokens
-  int max_prompt_tokens = 0;    // prompt length limit, image rows included (0: the context)
-};
-
-struct GenerationResult {
-  std::string text;
-  std::vector<int> tokens;  // generated ids (EOS excluded)
-  FinishReason finish = FinishReason::kStop;
-  int prompt_tokens = 0;  // T, image rows included
-  int image_tokens = 0;
-  int completion_tokens = 0;
-  double vision_seconds = 0, ttft_seconds = 0, total_seconds = 0;
-  KvStats kv;
-};
-
-// The prompt's text token ids (image rows left out): what the repetition penalty sees.
-std::vector<int> PromptTextIds(const PromptTokens& prompt, int image_token_id);
-
 // Returns false to cancel generation.
 using TextCallback = std::function<bool(const std::string& delta)>;
 
@@ -86,14 +57,6 @@ struct AnswerScore {
   double prefill_seconds = 0, decode_seconds = 0;
   KvStats kv;  // after the last answer token
   double Perplexity() const;
-};
-
-// A request checked and turned into model input.
-struct PreparedRequest {
-  PromptTokens prompt;
-  PromptSegments segments;    // the prompt's images, instruction and system prompt
-  std::vector<float> pixels;  // [images, 3, S, S] preprocessed
-  int num_images = 0;
 };
 
 // The prompt's embeddings [T, D]: the images through the vision tower and the projector,
@@ -117,10 +80,6 @@ class Generator {
   // as decode steps with the policy active, summing the negative log-likelihood of each answer
   // token and of the closing EOS: the paper's PPL protocol.
   StatusOr<AnswerScore> ScoreAnswer(const GenerationRequest& request, const std::string& answer);
-
-  // Validation, image decoding and prompt building; `reserve` tokens must fit after the
-  // prompt in the context.
-  StatusOr<PreparedRequest> Prepare(const GenerationRequest& request, int64_t reserve) const;
 
  private:
   // Vision encoder + prefill into `cache`; returns the last row's logits [1, V] (fp32).

@@ -1,0 +1,93 @@
+// PrepareRequest without a model: the tiny preset's config and the tiny fixture's tokenizer.
+#include "engine/serving/request.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "tests/test_util.h"
+
+namespace llava {
+namespace {
+
+using Kind = ContentPart::Kind;
+
+class PrepareRequestTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto t = Tokenizer::Load(::llava::testing::TestData() + "/tiny-new/tokenizer.model");
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    tok_ = std::move(t).value();
+    config_ = PresetConfig(ModelPreset::kTiny, tok_->vocab_size(), tok_->PieceToId("<image>"));
+    std::ifstream in(std::string(LLAVA_SOURCE_DIR) + "/models/examples/scene1.png",
+                     std::ios::binary);
+    std::stringstream bytes;
+    bytes << in.rdbuf();
+    png_ = bytes.str();
+    ASSERT_FALSE(png_.empty());
+  }
+  GenerationRequest ImageQuestion(const std::string& question) const {
+    GenerationRequest r;
+    r.messages = {{"user", {{Kind::kImage, "", 0}, {Kind::kText, question, 0}}}};
+    r.images = {png_};
+    return r;
+  }
+  std::unique_ptr<Tokenizer> tok_;
+  LlavaConfig config_;
+  std::string png_;
+};
+
+TEST_F(PrepareRequestTest, ImageRowsPixelsAndSegments) {
+  auto p = PrepareRequest(ImageQuestion("How many objects?"), config_, *tok_, EngineLimits(), 8);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  const int rows = config_.image_tokens();  // 16: (32 / 8)^2
+  const int64_t len = static_cast<int64_t>(p->prompt.ids.size());
+  EXPECT_EQ(p->num_images, 1);
+  EXPECT_EQ(p->pixels.size(), size_t{3} * 32 * 32);
+  ASSERT_EQ(p->prompt.image_offsets.size(), 1u);
+  const int offset = p->prompt.image_offsets[0];
+  for (int r = 0; r < rows; ++r) EXPECT_EQ(p->prompt.ids[offset + r], config_.image_token_index);
+  ASSERT_EQ(p->segments.images.size(), 1u);
+  EXPECT_EQ(p->segments.images[0].begin, offset);
+  EXPECT_EQ(p->segments.images[0].end, offset + rows);
+  // The instruction is the text after the image, up to the end of the prompt.
+  EXPECT_EQ(p->segments.instruction.begin, offset + rows);
+  EXPECT_EQ(p->segments.instruction.end, len);
+  // What the repetition penalty sees: the prompt without its image rows.
+  EXPECT_EQ(PromptTextIds(p->prompt, config_.image_token_index).size(),
+            static_cast<size_t>(len - rows));
+}
+
+TEST_F(PrepareRequestTest, ErrorsNameTheField) {
+  GenerationRequest bad_image = ImageQuestion("What is this?");
+  bad_image.images[0] = "not an image";
+  bad_image.image_fields = {"messages[0].content[0].image"};
+  auto r = PrepareRequest(bad_image, config_, *tok_, EngineLimits(), 8);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("messages[0].content[0].image"), std::string::npos)
+      << r.status().message();
+
+  r = PrepareRequest(ImageQuestion("What is this?"), config_, *tok_, EngineLimits(),
+                     config_.text.max_position_embeddings);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("exceeds the context length 512"), std::string::npos)
+      << r.status().message();
+
+  EngineLimits short_prompts;
+  short_prompts.max_prompt_tokens = 10;  // fewer than the image's 16 rows
+  r = PrepareRequest(ImageQuestion("What is this?"), config_, *tok_, short_prompts, 8);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("messages: the prompt has"), std::string::npos)
+      << r.status().message();
+
+  GenerationRequest bad_budget = ImageQuestion("What is this?");
+  bad_budget.kv_cache.budget = -0.5;
+  r = PrepareRequest(bad_budget, config_, *tok_, EngineLimits(), 8);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("kv_cache.budget"), std::string::npos)
+      << r.status().message();
+}
+
+}  // namespace
+}  // namespace llava
