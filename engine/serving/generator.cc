@@ -6,6 +6,7 @@
 #include "engine/kernels/cpu_features.h"
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
+#include "engine/serving/decode_state.h"
 
 namespace llava {
 namespace {

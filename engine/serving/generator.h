@@ -9,17 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "engine/io/chat_template.h"
-#include "engine/io/image_io.h"
 #include "engine/io/model_config.h"
 #include "engine/io/status.h"
 #include "engine/io/tokenizer.h"
-#include "engine/kv/cache_policy.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/model/model_options.h"
-#include "engine/serving/decode_state.h"
 #include "engine/serving/request.h"
-#include "engine/serving/sampler.h"
 
 namespace at {
 class Tensor;
