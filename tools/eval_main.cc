@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
   std::string items_path;
   app.add_option("--items", items_path,
                  "also write every answer as JSON lines (sample, policy, budget, kind, prompt, "
-                 "reference, answer, score) to this file");
+                 "reference, answer, score, and the reference answer's nll and tokens) to this file");
   app.add_option("--dtype", dtype, "auto | bf16 | f32 (llava-server --help)")
       ->check(CLI::IsMember({"auto", "bf16", "f32"}))
       ->capture_default_str();
@@ -329,7 +329,9 @@ int main(int argc, char** argv) {
               {"prompt", s.prompt},
               {"reference", s.short_answer.empty() ? s.answer : s.short_answer},
               {"answer", answer->text},
-              {"score", item}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+              {"score", item},
+              {"nll", score->nll_sum},
+              {"tokens", score->tokens}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
         }
       }
     }
