@@ -403,7 +403,7 @@ int main(int argc, char** argv) {
     }
     random = std::move(*model_or);
   }
-  const llava::LlavaModel& model = loaded ? *loaded->model : *random;
+  const llava::LlavaModel& model = loaded ? loaded->model() : *random;
   const llava::LlavaConfig& config = model.config();
   layers = config.text.num_hidden_layers;
   const int64_t vocab = config.text.vocab_size;

@@ -32,7 +32,7 @@ TEST(DefaultModel, AnswersHeldOutQuestions) {
   const std::string dir = ::llava::testing::SourceDir() + "/models/shapes-llava";
   auto loaded = LoadModel(dir, ModelOptions{});  // bf16, as served
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
-  EXPECT_GE((*loaded)->model->config().image_tokens(), 100);
+  EXPECT_GE((*loaded)->model().config().image_tokens(), 100);
   Generator gen(**loaded, EngineLimits{});
 
   const std::string data = ::llava::testing::SourceDir() + "/tests/data/default_model";
@@ -82,7 +82,7 @@ TEST(DefaultModel, IgnoreEosGeneratesExactlyMaxTokens) {
   ASSERT_TRUE(forced.ok()) << forced.status().ToString();
   EXPECT_EQ(forced->completion_tokens, 30);
   EXPECT_EQ(forced->finish, FinishReason::kLength);
-  for (int id : forced->tokens) EXPECT_NE(id, (*loaded)->tokenizer->eos_id());
+  for (int id : forced->tokens) EXPECT_NE(id, (*loaded)->tokenizer().eos_id());
 }
 
 }  // namespace

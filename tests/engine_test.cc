@@ -13,6 +13,8 @@
 
 #include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
+#include "engine/serving/generator.h"
+#include "tests/engine_observer.h"
 #include "tests/test_util.h"
 
 namespace llava {
@@ -20,38 +22,7 @@ namespace {
 
 using Kind = ContentPart::Kind;
 using namespace std::chrono_literals;
-
-class Collector : public RequestObserver {
- public:
-  void OnAdmitted(double) override { admitted_ = true; }
-  void OnText(const std::string& delta) override {
-    std::lock_guard<std::mutex> l(mu_);
-    text_ += delta;
-    ++deltas_;
-  }
-  void OnFinished(const StatusOr<GenerationResult>& r) override {
-    std::lock_guard<std::mutex> l(mu_);
-    ++finished_;
-    result_ = r.ok() ? std::optional<GenerationResult>(*r) : std::nullopt;
-    status_ = r.status();
-    cv_.notify_all();
-  }
-  bool Wait(std::chrono::seconds timeout = 60s) {
-    std::unique_lock<std::mutex> l(mu_);
-    return cv_.wait_for(l, timeout, [&] { return finished_ > 0; });
-  }
-  int deltas() {
-    std::lock_guard<std::mutex> l(mu_);
-    return deltas_;
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::string text_;
-  int deltas_ = 0, finished_ = 0;
-  bool admitted_ = false;
-  std::optional<GenerationResult> result_;
-  Status status_;
-};
+using ::llava::testing::Collector;
 
 std::string Png() {
   cv::Mat img(40, 40, CV_8UC3, cv::Scalar(250, 250, 250));
@@ -212,7 +183,7 @@ TEST_F(EngineTest, QueueBoundAndBudgetRefusals) {
 
 TEST_F(EngineTest, BudgetLimitsConcurrency) {
   // Room for one Full request of this size at a time: the rest wait, all complete.
-  const KvLayout layout = loaded_->model->kv_layout();
+  const KvLayout layout = loaded_->model().kv_layout();
   EngineOptions o;
   o.kv_cache_bytes = 80 * layout.num_layers * layout.bytes_per_entry();
   Engine engine(*loaded_, o);

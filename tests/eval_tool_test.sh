@@ -20,14 +20,18 @@ awk -F, -v ppl="$full_ppl" 'NR>1 && $2=="1.00" {
 # --items: one line per sample and (policy, budget), and Full's answers score like the table.
 items=$(wc -l < "$out.items.jsonl")
 [ "$items" -eq $((rows * 3)) ] || { echo "expected $((rows * 3)) item lines, got $items"; exit 1; }
-python3 - "$out.items.jsonl" <<'PY'
-import json, sys
+python3 - "$out.items.jsonl" "$full_ppl" <<'PY'
+import json, math, sys
 lines = [json.loads(l) for l in open(sys.argv[1])]
 assert {l["policy"] for l in lines} == {"full", "elastic", "elastic+paper", "h2o",
                                        "streaming_llm"}, lines[0]
 assert all(set(l) == {"sample", "policy", "budget", "kind", "prompt", "reference", "answer",
-                      "score"} for l in lines)
+                      "score", "nll", "tokens"} for l in lines)
 assert sorted({l["sample"] for l in lines}) == [0, 1, 2]
+# The items' nll and tokens add up to the table's PPL.
+full = [l for l in lines if l["policy"] == "full"]
+ppl = math.exp(sum(l["nll"] for l in full) / sum(l["tokens"] for l in full))
+assert abs(ppl - float(sys.argv[2])) <= 1e-3 * ppl, (ppl, sys.argv[2])
 PY
 if command -v gnuplot > /dev/null; then
   test -s "$out/ppl_vs_budget.png" && test -s "$out/rouge_vs_budget.png" && \

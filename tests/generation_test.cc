@@ -49,9 +49,9 @@ LoadedModel* GenerationTest::loaded_ = nullptr;
 
 // Reference: greedy decoding that recomputes the whole sequence without reusing a cache.
 std::vector<int> NaiveGreedy(const LoadedModel& m, const GenerationRequest& req, int steps) {
-  const LlavaModel& model = *m.model;
+  const LlavaModel& model = m.model();
   const LlavaConfig& c = model.config();
-  auto prompt = BuildPrompt(*m.tokenizer, req.messages, 1, c.image_token_index, c.image_tokens());
+  auto prompt = BuildPrompt(m.tokenizer(), req.messages, 1, c.image_token_index, c.image_tokens());
   std::vector<float> px =
       PreprocessImage(*DecodeImage(req.images[0], {}, "img"), c.image_processor);
   at::Tensor features = model.EncodeImages(
@@ -62,7 +62,7 @@ std::vector<int> NaiveGreedy(const LoadedModel& m, const GenerationRequest& req,
     auto cache = model.NewFullCache();
     at::Tensor logits = model.Forward({{seq, 0, cache.get(), false}});
     const int id = static_cast<int>(logits[0].argmax().item<int64_t>());
-    if (id == m.tokenizer->eos_id()) break;
+    if (id == m.tokenizer().eos_id()) break;
     out.push_back(id);
     seq = at::cat({seq, model.Embed(at::tensor({static_cast<int64_t>(id)}, at::kLong))}, 0);
   }
@@ -80,8 +80,8 @@ TEST_F(GenerationTest, GreedyMatchesRecomputingWithoutCache) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->tokens, NaiveGreedy(*loaded_, req, 12));
   EXPECT_EQ(streamed, r->text);
-  EXPECT_EQ(r->text, loaded_->tokenizer->Decode(r->tokens));
-  EXPECT_EQ(r->image_tokens, loaded_->model->config().image_tokens());
+  EXPECT_EQ(r->text, loaded_->tokenizer().Decode(r->tokens));
+  EXPECT_EQ(r->image_tokens, loaded_->model().config().image_tokens());
   EXPECT_EQ(r->completion_tokens, static_cast<int>(r->tokens.size()));
   if (r->finish == FinishReason::kLength) {
     EXPECT_EQ(r->completion_tokens, 12);
@@ -90,8 +90,8 @@ TEST_F(GenerationTest, GreedyMatchesRecomputingWithoutCache) {
   const int64_t fed =
       r->prompt_tokens + r->completion_tokens - (r->finish == FinishReason::kLength);
   EXPECT_EQ(r->kv.tokens_seen, fed);
-  EXPECT_EQ(r->kv.bytes_kept, fed * loaded_->model->kv_layout().num_layers *
-                                  loaded_->model->kv_layout().bytes_per_entry());
+  EXPECT_EQ(r->kv.bytes_kept, fed * loaded_->model().kv_layout().num_layers *
+                                  loaded_->model().kv_layout().bytes_per_entry());
 }
 
 TEST_F(GenerationTest, SeededSamplingIsReproducible) {

@@ -365,7 +365,7 @@ TEST_F(PolicyCacheTest, ElasticGenerationAcrossBudgets) {
     req.kv_cache = Params(CachePolicy::kElastic, gamma);
     auto r = gen.Generate(req, nullptr);
     ASSERT_TRUE(r.ok()) << gamma << ": " << r.status().ToString();
-    const KvLayout layout = (*loaded)->model->kv_layout();
+    const KvLayout layout = (*loaded)->model().kv_layout();
     for (int64_t e : r->kv.entries_per_layer) EXPECT_EQ(e, Target(req.kv_cache, r->kv.tokens_seen));
     EXPECT_EQ(r->kv.bytes_kept,
               layout.num_layers * r->kv.entries_per_layer[0] * layout.bytes_per_entry());

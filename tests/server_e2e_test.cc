@@ -114,7 +114,7 @@ TEST_F(ServerTest, ChatClientAnswersOneQuestionWithTwoImages) {
       std::string(LLAVA_CHAT_BINARY) + " --server " + server_->address() +
       " --max-tokens 4 --image " + image + " --image " + image +
       " 'What is in the image?' < /dev/null 2>&1");
-  const int rows = 2 * loaded_->model->config().image_tokens();
+  const int rows = 2 * loaded_->model().config().image_tokens();
   EXPECT_NE(out.find("(" + std::to_string(rows) + " image)"), std::string::npos) << out;
   EXPECT_NE(out.find("[FINISH_REASON_"), std::string::npos) << out;
   EXPECT_EQ(out.find("/quit"), std::string::npos) << "interactive mode: " << out;
@@ -124,14 +124,14 @@ TEST_F(ServerTest, ModelInfo) {
   grpc::ClientContext ctx;
   v1::ModelInfo info;
   ASSERT_TRUE(Stub()->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
-  EXPECT_EQ(info.image_tokens(), loaded_->model->config().image_tokens());
+  EXPECT_EQ(info.image_tokens(), loaded_->model().config().image_tokens());
   EXPECT_EQ(info.context_length(), 512);
   EXPECT_EQ(info.default_policy(), v1::CACHE_POLICY_ELASTIC);
   EXPECT_EQ(info.max_tokens_limit(), 400);
   // The server runs under this process's environment (LLAVA_CPU_PATH included).
   EXPECT_EQ(info.cpu_path(), CpuPathName(ActiveCpuPath()));
-  EXPECT_EQ(info.kv_bytes_per_token(),
-            loaded_->model->kv_layout().num_layers * loaded_->model->kv_layout().bytes_per_entry());
+  EXPECT_EQ(info.kv_bytes_per_token(), loaded_->model().kv_layout().num_layers *
+                                           loaded_->model().kv_layout().bytes_per_entry());
 }
 
 TEST_F(ServerTest, UnaryAndStreamingGiveTheInProcessAnswer) {
@@ -145,7 +145,7 @@ TEST_F(ServerTest, UnaryAndStreamingGiveTheInProcessAnswer) {
   EXPECT_EQ(resp.request_id(), "abc-1");
   EXPECT_EQ(resp.text(), expected);
   EXPECT_NE(resp.finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
-  EXPECT_EQ(resp.usage().image_tokens(), loaded_->model->config().image_tokens());
+  EXPECT_EQ(resp.usage().image_tokens(), loaded_->model().config().image_tokens());
   EXPECT_GT(resp.usage().kv_bytes_full(), 0);
   EXPECT_LT(resp.usage().kv_bytes_used(), resp.usage().kv_bytes_full());  // Elastic 0.5 default
   // The tiny model's instruction (24 of 43 prompt tokens) fills the default Elastic's half

@@ -227,9 +227,10 @@ int main(int argc, char** argv) {
   app.add_option("--limit", limit, "use only the first N samples (0 = all)");
   app.add_option("--out", out, "output folder")->capture_default_str();
   std::string items_path;
-  app.add_option("--items", items_path,
-                 "also write every answer as JSON lines (sample, policy, budget, kind, prompt, "
-                 "reference, answer, score, and the reference answer's nll and tokens) to this file");
+  app.add_option(
+      "--items", items_path,
+      "also write every answer as JSON lines (sample, policy, budget, kind, prompt, "
+      "reference, answer, score, and the reference answer's nll and tokens) to this file");
   app.add_option("--dtype", dtype, "auto | bf16 | f32 (llava-server --help)")
       ->check(CLI::IsMember({"auto", "bf16", "f32"}))
       ->capture_default_str();
@@ -331,7 +332,8 @@ int main(int argc, char** argv) {
               {"answer", answer->text},
               {"score", item},
               {"nll", score->nll_sum},
-              {"tokens", score->tokens}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+              {"tokens",
+               score->tokens}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
         }
       }
     }

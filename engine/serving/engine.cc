@@ -41,10 +41,10 @@ struct Engine::Sequence {
   int64_t prefilled = 0;     // prompt rows fed so far
 };
 
-Engine::Engine(const LoadedModel& model, const EngineOptions& options)
+Engine::Engine(const ModelRunner& model, const EngineOptions& options)
     : model_(model), options_(options), scheduler_([&] {
         SchedulerConfig c;
-        const KvLayout layout = model.model->kv_layout();
+        const KvLayout layout = model.kv_layout();
         c.kv_budget_bytes = options.kv_cache_bytes;
         c.bytes_per_entry = layout.bytes_per_entry();
         c.num_layers = layout.num_layers;
@@ -64,7 +64,7 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
   const Clock::time_point now = Clock::now();
   LLAVA_RETURN_IF_ERROR(ValidateSamplingParams(request.sampling, options_.limits.max_tokens_limit));
   LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared,
-                         PrepareRequest(request, model_.config(), *model_.tokenizer,
+                         PrepareRequest(request, model_.config(), model_.tokenizer(),
                                         options_.limits, request.sampling.max_tokens));
   auto p = std::make_unique<Pending>();
   p->id = id;
@@ -189,11 +189,11 @@ void Engine::Loop() {
         auto seq = std::make_unique<Sequence>();
         seq->admitted = Clock::now();
         p->observer->OnAdmitted(Seconds(p->submitted, seq->admitted));
-        seq->cache = NewKvCache(model_.model->kv_layout(), p->kv, p->prepared.segments);
+        seq->cache = NewKvCache(model_.kv_layout(), p->kv, p->prepared.segments);
         seq->state = std::make_unique<DecodeState>(
-            *model_.tokenizer, p->sampling,
-            PromptTextIds(p->prepared.prompt, model_.model->config().image_token_index),
-            model_.model->config().text.eos_token_id);
+            model_.tokenizer(), p->sampling,
+            PromptTextIds(p->prepared.prompt, model_.config().image_token_index),
+            model_.config().text.eos_token_id);
         seq->req = std::move(p);
         running_.push_back(std::move(seq));
       }
@@ -251,14 +251,13 @@ void Engine::Step() {
     }
   }
   if (prompts.empty() && decoding.empty()) return;
-  const LlavaModel& model = *model_.model;
   try {
     std::vector<SequenceChunk> chunks;
     for (const PromptPart& part : prompts) {
       Sequence* seq = part.seq;
       const PreparedRequest& p = seq->req->prepared;
       if (!seq->prompt_embeds.defined()) {  // first chunk: encode the images, embed the prompt
-        seq->prompt_embeds = EmbedPreparedPrompt(model, p, &seq->result.vision_seconds);
+        seq->prompt_embeds = model_.EmbedPrompt(p, &seq->result.vision_seconds);
       }
       SequenceChunk c{seq->prompt_embeds.narrow(0, part.begin, part.n), seq->cache->NextPosition(),
                       seq->cache.get(), false};
@@ -268,13 +267,13 @@ void Engine::Step() {
     if (!decoding.empty()) {
       std::vector<int64_t> ids;
       for (Sequence* s : decoding) ids.push_back(s->state->last_token());
-      at::Tensor embeds = model.Embed(at::tensor(ids, at::kLong));  // [B, D]
+      at::Tensor embeds = model_.EmbedTokens(ids);  // [B, D]
       for (size_t i = 0; i < decoding.size(); ++i) {
         chunks.push_back({embeds.narrow(0, static_cast<int64_t>(i), 1),
                           decoding[i]->cache->NextPosition(), decoding[i]->cache.get(), false});
       }
     }
-    at::Tensor logits = model.Forward(chunks).to(at::kCPU).contiguous();  // [rows, V] fp32
+    at::Tensor logits = model_.Forward(chunks);  // [rows, V] fp32 on the CPU
     const int vocab = static_cast<int>(logits.size(1));
     float* row = logits.data_ptr<float>();
     for (size_t i = 0; i < prompts.size(); ++i, row += vocab) {

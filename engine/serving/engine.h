@@ -8,8 +8,9 @@
 //         across all rows, attention per request -> stream each new piece of text to its
 //         observer -> free finished requests' caches at once.
 //
-// Network threads only call Submit/Cancel and read snapshots; everything else happens on the
-// engine thread. Requests are validated and their images decoded on the submitting thread, so
+// The model is reached through ModelRunner (model_runner.h): LoadedModel in service, a scripted
+// runner in tests/engine_loop_test.cc. Network threads only call Submit/Cancel and read
+// snapshots; everything else happens on the engine thread. Requests are validated and their images decoded on the submitting thread, so
 // bad input never reaches the loop.
 #pragma once
 
@@ -26,7 +27,8 @@
 #include <unordered_set>
 #include <vector>
 
-#include "engine/serving/generator.h"
+#include "engine/serving/model_runner.h"
+#include "engine/serving/request.h"
 #include "engine/serving/scheduler.h"
 
 namespace llava {
@@ -81,7 +83,7 @@ class EngineApi {
 class Engine final : public EngineApi {
  public:
   // Borrows `model` (must outlive the engine) and starts the loop thread.
-  Engine(const LoadedModel& model, const EngineOptions& options);
+  Engine(const ModelRunner& model, const EngineOptions& options);
   ~Engine() override;  // Shutdown(0)
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -120,7 +122,7 @@ class Engine final : public EngineApi {
   void Finish(Sequence* seq, StatusOr<GenerationResult> result);
   void UpdateSnapshotLocked();
 
-  const LoadedModel& model_;
+  const ModelRunner& model_;
   const EngineOptions options_;
 
   mutable std::mutex mu_;

@@ -17,25 +17,49 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
+LoadedModel::LoadedModel(std::unique_ptr<LlavaModel> model, std::unique_ptr<Tokenizer> tokenizer)
+    : model_(std::move(model)), tokenizer_(std::move(tokenizer)) {}
 LoadedModel::~LoadedModel() = default;
 
-const LlavaConfig& LoadedModel::config() const { return model->config(); }
-KvLayout LoadedModel::kv_layout() const { return model->kv_layout(); }
-const ModelOptions& LoadedModel::options() const { return model->options(); }
+const LlavaModel& LoadedModel::model() const { return *model_; }
+const LlavaConfig& LoadedModel::config() const { return model_->config(); }
+KvLayout LoadedModel::kv_layout() const { return model_->kv_layout(); }
+const ModelOptions& LoadedModel::options() const { return model_->options(); }
+
+at::Tensor LoadedModel::EmbedPrompt(const PreparedRequest& prepared, double* vision_seconds) const {
+  const int crop = model_->config().vision.image_size;
+  at::Tensor features;
+  if (prepared.num_images > 0) {
+    const auto tv = std::chrono::steady_clock::now();
+    at::Tensor px = at::from_blob(const_cast<float*>(prepared.pixels.data()),
+                                  {prepared.num_images, 3, crop, crop}, at::kFloat);
+    features = model_->EncodeImages(px);
+    if (vision_seconds != nullptr) *vision_seconds = SecondsSince(tv);
+  }
+  return model_->EmbedPrompt(prepared.prompt.ids, prepared.prompt.image_offsets, features);
+}
+
+at::Tensor LoadedModel::EmbedTokens(const std::vector<int64_t>& ids) const {
+  return model_->Embed(at::tensor(ids, at::kLong));
+}
+
+at::Tensor LoadedModel::Forward(const std::vector<SequenceChunk>& chunks) const {
+  return model_->Forward(chunks).to(at::kCPU).contiguous();
+}
 
 StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
                                                  const ModelOptions& options) {
-  auto loaded = std::make_unique<LoadedModel>();
-  LLAVA_ASSIGN_OR_RETURN(loaded->tokenizer, Tokenizer::Load(dir + "/tokenizer.model"));
-  LLAVA_ASSIGN_OR_RETURN(loaded->model, LlavaModel::Load(dir, options));
-  const LlavaConfig& c = loaded->model->config();
-  if (loaded->tokenizer->vocab_size() > c.text.vocab_size) {
-    return InvalidArgument(
-        dir + ": tokenizer has " + std::to_string(loaded->tokenizer->vocab_size()) +
-        " tokens but text_config.vocab_size is " + std::to_string(c.text.vocab_size));
+  LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer,
+                         Tokenizer::Load(dir + "/tokenizer.model"));
+  LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<LlavaModel> model, LlavaModel::Load(dir, options));
+  const LlavaConfig& c = model->config();
+  if (tokenizer->vocab_size() > c.text.vocab_size) {
+    return InvalidArgument(dir + ": tokenizer has " + std::to_string(tokenizer->vocab_size()) +
+                           " tokens but text_config.vocab_size is " +
+                           std::to_string(c.text.vocab_size));
   }
   if (c.image_token_index < 0) return InvalidArgument(dir + ": image_token_index is negative");
-  return loaded;
+  return std::make_unique<LoadedModel>(std::move(model), std::move(tokenizer));
 }
 
 bool ResolveModelDType(const std::string& name, const std::string& dir, ModelOptions* options,
@@ -50,26 +74,12 @@ bool ResolveModelDType(const std::string& name, const std::string& dir, ModelOpt
 
 double AnswerScore::Perplexity() const { return tokens > 0 ? std::exp(nll_sum / tokens) : 0.0; }
 
-at::Tensor EmbedPreparedPrompt(const LlavaModel& model, const PreparedRequest& prepared,
-                               double* vision_seconds) {
-  const int crop = model.config().vision.image_size;
-  at::Tensor features;
-  if (prepared.num_images > 0) {
-    const auto tv = std::chrono::steady_clock::now();
-    at::Tensor px = at::from_blob(const_cast<float*>(prepared.pixels.data()),
-                                  {prepared.num_images, 3, crop, crop}, at::kFloat);
-    features = model.EncodeImages(px);
-    if (vision_seconds != nullptr) *vision_seconds = SecondsSince(tv);
-  }
-  return model.EmbedPrompt(prepared.prompt.ids, prepared.prompt.image_offsets, features);
-}
-
 namespace {
 
 // One decode row: `token` at the cache's next position.
-SequenceChunk DecodeChunk(const LlavaModel& model, int token, KvCache* cache) {
+SequenceChunk DecodeChunk(const ModelRunner& model, int token, KvCache* cache) {
   SequenceChunk chunk;
-  chunk.embeds = model.Embed(at::tensor({static_cast<int64_t>(token)}, at::kLong));
+  chunk.embeds = model.EmbedTokens({token});
   chunk.start_position = cache->NextPosition();
   chunk.cache = cache;
   return chunk;
@@ -79,18 +89,17 @@ SequenceChunk DecodeChunk(const LlavaModel& model, int token, KvCache* cache) {
 
 at::Tensor Generator::Prefill(const PreparedRequest& prepared, KvCache* cache,
                               double* vision_seconds) const {
-  const LlavaModel& model = *m_.model;
   SequenceChunk chunk;
-  chunk.embeds = EmbedPreparedPrompt(model, prepared, vision_seconds);
+  chunk.embeds = m_.EmbedPrompt(prepared, vision_seconds);
   chunk.start_position = cache->NextPosition();
   chunk.cache = cache;
-  return model.Forward({chunk});
+  return m_.Forward({chunk});
 }
 
 StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
                                              const std::string& answer) {
-  const LlavaModel& model = *m_.model;
-  const Tokenizer& tok = *m_.tokenizer;
+  const ModelRunner& model = m_;
+  const Tokenizer& tok = m_.tokenizer();
   Tokenizer::EncodeOptions opt;
   opt.dummy_prefix = false;
   opt.parse_special = false;
@@ -124,8 +133,8 @@ StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
 StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
                                                const TextCallback& on_text) {
   const auto t0 = std::chrono::steady_clock::now();
-  const LlavaModel& model = *m_.model;
-  const Tokenizer& tok = *m_.tokenizer;
+  const ModelRunner& model = m_;
+  const Tokenizer& tok = m_.tokenizer();
   const LlavaConfig& cfg = model.config();
   LLAVA_RETURN_IF_ERROR(ValidateSamplingParams(req.sampling, limits_.max_tokens_limit));
   LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared, PrepareRequest(req, model.config(), tok, limits_,

@@ -14,6 +14,7 @@
 #include "engine/io/tokenizer.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/model/model_options.h"
+#include "engine/serving/model_runner.h"
 #include "engine/serving/request.h"
 
 namespace at {
@@ -24,15 +25,26 @@ namespace llava {
 
 class LlavaModel;
 
-// A model folder, loaded: weights + tokenizer, checked against each other.
-struct LoadedModel {
-  std::unique_ptr<LlavaModel> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-  ~LoadedModel();
-  // The model's facts for callers that do not include its header (the server).
-  const LlavaConfig& config() const;
-  KvLayout kv_layout() const;
+// A model folder, loaded: weights + tokenizer, checked against each other. The model runner of
+// the one-shot generator and of the serving engine.
+class LoadedModel final : public ModelRunner {
+ public:
+  LoadedModel(std::unique_ptr<LlavaModel> model, std::unique_ptr<Tokenizer> tokenizer);
+  ~LoadedModel() override;
+
+  const LlavaModel& model() const;
   const ModelOptions& options() const;
+
+  const LlavaConfig& config() const override;
+  const Tokenizer& tokenizer() const override { return *tokenizer_; }
+  KvLayout kv_layout() const override;
+  at::Tensor EmbedPrompt(const PreparedRequest& prepared, double* vision_seconds) const override;
+  at::Tensor EmbedTokens(const std::vector<int64_t>& ids) const override;
+  at::Tensor Forward(const std::vector<SequenceChunk>& chunks) const override;
+
+ private:
+  std::unique_ptr<LlavaModel> model_;
+  std::unique_ptr<Tokenizer> tokenizer_;
 };
 StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
                                                  const ModelOptions& options);
@@ -54,17 +66,10 @@ struct AnswerScore {
   double Perplexity() const;
 };
 
-// The prompt's embeddings [T, D]: the images through the vision tower and the projector,
-// spliced into the token embeddings at their image rows. `vision_seconds` (may be null) gets
-// the vision tower's time. Both the one-shot generator and the batching engine start a request
-// here.
-at::Tensor EmbedPreparedPrompt(const LlavaModel& model, const PreparedRequest& prepared,
-                               double* vision_seconds);
-
 class Generator {
  public:
-  // Borrows `loaded`; it must outlive the Generator.
-  Generator(const LoadedModel& loaded, EngineLimits limits) : m_(loaded), limits_(limits) {}
+  // Borrows `model`; it must outlive the Generator.
+  Generator(const ModelRunner& model, EngineLimits limits) : m_(model), limits_(limits) {}
 
   // Runs the whole request on the calling thread. Errors name the request field at fault;
   // model failures (c10::Error) come back as INTERNAL, never as exceptions.
@@ -80,7 +85,7 @@ class Generator {
   // Vision encoder + prefill into `cache`; returns the last row's logits [1, V] (fp32).
   at::Tensor Prefill(const PreparedRequest& prepared, KvCache* cache, double* vision_seconds) const;
 
-  const LoadedModel& m_;
+  const ModelRunner& m_;
   EngineLimits limits_;
 };
 
