@@ -10,8 +10,8 @@
 //
 // The model is reached through ModelRunner (model_runner.h): LoadedModel in service, a scripted
 // runner in tests/engine_loop_test.cc. Network threads only call Submit/Cancel and read
-// snapshots; everything else happens on the engine thread. Requests are validated and their images decoded on the submitting thread, so
-// bad input never reaches the loop.
+// snapshots; everything else happens on the engine thread. Requests are validated and their images
+// decoded on the submitting thread, so bad input never reaches the loop.
 #pragma once
 
 #include <chrono>
