@@ -58,59 +58,27 @@ llava::LlavaConfig BenchConfig(int layers) {
   return c;
 }
 
-// Random weights for every tensor the model takes; matrices ~N(0, 0.02), norms 1.
+// Random weights for every tensor the model reads (engine/io/weight_manifest.h): matrices and
+// embeddings ~N(0, 0.02), norms 1, biases 0.
 std::vector<std::pair<std::string, at::Tensor>> RandomWeights(const llava::LlavaConfig& c) {
+  using llava::WeightRole;
   std::vector<std::pair<std::string, at::Tensor>> w;
-  auto mat = [&](const std::string& n, std::vector<int64_t> shape) {
-    w.emplace_back(n, (at::randn(shape, at::kFloat) * 0.02).to(at::kBFloat16));
-  };
-  auto ones = [&](const std::string& n, int64_t d) {
-    w.emplace_back(n, at::ones({d}, at::kBFloat16));
-  };
-  auto zeros = [&](const std::string& n, int64_t d) {
-    w.emplace_back(n, at::zeros({d}, at::kBFloat16));
-  };
-  const auto& v = c.vision;
-  mat("vision.embeddings.patch_embedding.weight", {v.hidden_size, 3, v.patch_size, v.patch_size});
-  mat("vision.embeddings.class_embedding", {v.hidden_size});
-  mat("vision.embeddings.position_embedding.weight", {v.num_patches() + 1, v.hidden_size});
-  ones("vision.pre_layrnorm.weight", v.hidden_size);
-  zeros("vision.pre_layrnorm.bias", v.hidden_size);
-  for (int i = 0; i < c.vision_layers_needed(); ++i) {
-    const std::string p = "vision.encoder.layers." + std::to_string(i);
-    for (const char* ln : {".layer_norm1", ".layer_norm2"}) {
-      ones(p + ln + ".weight", v.hidden_size);
-      zeros(p + ln + ".bias", v.hidden_size);
+  for (const llava::WeightSpec& s : llava::LlavaWeightManifest(c)) {
+    if (!s.used) continue;
+    at::Tensor x;
+    switch (s.role) {
+      case WeightRole::kNormWeight:
+        x = at::ones(s.shape, at::kBFloat16);
+        break;
+      case WeightRole::kBias:
+      case WeightRole::kNormBias:
+        x = at::zeros(s.shape, at::kBFloat16);
+        break;
+      default:
+        x = (at::randn(s.shape, at::kFloat) * 0.02).to(at::kBFloat16);
     }
-    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
-      mat(p + ".self_attn." + proj + ".weight", {v.hidden_size, v.hidden_size});
-      zeros(p + ".self_attn." + proj + ".bias", v.hidden_size);
-    }
-    mat(p + ".mlp.fc1.weight", {v.intermediate_size, v.hidden_size});
-    zeros(p + ".mlp.fc1.bias", v.intermediate_size);
-    mat(p + ".mlp.fc2.weight", {v.hidden_size, v.intermediate_size});
-    zeros(p + ".mlp.fc2.bias", v.hidden_size);
+    w.emplace_back(s.name, x);
   }
-  const auto& t = c.text;
-  const int64_t d = t.hidden_size, f = t.intermediate_size;
-  mat("projector.linear_1.weight", {d, v.hidden_size});
-  zeros("projector.linear_1.bias", d);
-  mat("projector.linear_2.weight", {d, d});
-  zeros("projector.linear_2.bias", d);
-  mat("lm.embed_tokens.weight", {t.vocab_size, d});
-  for (int i = 0; i < t.num_hidden_layers; ++i) {
-    const std::string p = "lm.layers." + std::to_string(i);
-    ones(p + ".input_layernorm.weight", d);
-    ones(p + ".post_attention_layernorm.weight", d);
-    for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
-      mat(p + ".self_attn." + proj + ".weight", {d, d});
-    }
-    mat(p + ".mlp.gate_proj.weight", {f, d});
-    mat(p + ".mlp.up_proj.weight", {f, d});
-    mat(p + ".mlp.down_proj.weight", {d, f});
-  }
-  ones("lm.norm.weight", d);
-  mat("lm_head.weight", {t.vocab_size, d});
   return w;
 }
 

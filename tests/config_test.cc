@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/io/model_config.h"
+#include "engine/io/weight_manifest.h"
 
 namespace llava {
 namespace {
@@ -51,6 +52,23 @@ constexpr char kLlava15Preprocessor[] = R"({
   "resample": 3, "rescale_factor": 0.00392156862745098,
   "size": {"shortest_edge": 336}
 })";
+
+// llava-hf/llava-1.5-7b-hf holds 7,063,427,072 parameters (its safetensors index: 14,126,854,144
+// bytes of fp16), of which the last CLIP-L layer (12,596,224) and the vision post-layernorm
+// (2,048) are never read.
+TEST(Config, Llava15WeightManifestHasThePublishedParameterCount) {
+  auto c = ParseLlavaConfig(kLlava15Config, kLlava15Preprocessor);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  int64_t total = 0, unused = 0;
+  for (const WeightSpec& s : LlavaWeightManifest(*c)) {
+    int64_t n = 1;
+    for (int64_t d : s.shape) n *= d;
+    total += n;
+    if (!s.used) unused += n;
+  }
+  EXPECT_EQ(total, 7063427072);
+  EXPECT_EQ(unused, 12596224 + 2048);
+}
 
 TEST(Config, ParsesLlava15With7BDefaults) {
   auto c = ParseLlavaConfig(kLlava15Config, kLlava15Preprocessor);

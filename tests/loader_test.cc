@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
 #include "engine/serving/generator.h"
@@ -51,6 +53,60 @@ TEST(Loader, BothNamingGenerationsAndShardingLoad) {
   at::Tensor lb = (*b)->Forward({{(*b)->Embed(ids), 0, cb.get(), true}});
   EXPECT_LT(Nmse(lb, la), 1e-3);
   EXPECT_GT(Nmse(lb, la), 0.0) << "tiny-old is stored in bf16, so some rounding must show";
+}
+
+// The trainer's parameter list (the model's tensors, q/k/v and gate/up stacked) is the
+// manifest's used tensors: what a trainer updates is what a checkpoint writer saves.
+TEST(Loader, TrainableParametersAreTheManifestsUsedTensors) {
+  ModelOptions f32;
+  f32.dtype = DType::kF32;
+  auto m = LlavaModel::Load(TestData() + "/tiny-new", f32);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  std::map<std::string, int64_t> params;  // name -> elements, stacked ones split by name
+  for (auto& [name, t] : (*m)->MutableParameters()) {
+    const size_t qkv = name.find(".qkv_proj."), gate_up = name.find(".gate_up_proj.");
+    if (qkv != std::string::npos) {
+      for (const char* part : {".q_proj.", ".k_proj.", ".v_proj."}) {
+        params[name.substr(0, qkv) + part + name.substr(qkv + 10)] = 0;
+      }
+      params[name] = t->numel();  // checked against the parts' sum below
+    } else if (gate_up != std::string::npos) {
+      for (const char* part : {".gate_proj.", ".up_proj."}) {
+        params[name.substr(0, gate_up) + part + name.substr(gate_up + 14)] = 0;
+      }
+      params[name] = t->numel();
+    } else {
+      params[name] = t->numel();
+    }
+  }
+  std::map<std::string, int64_t> stacked;
+  for (const WeightSpec& s : LlavaWeightManifest((*m)->config())) {
+    if (!s.used) continue;
+    auto it = params.find(s.name);
+    ASSERT_NE(it, params.end()) << "not trained: " << s.name;
+    int64_t n = 1;
+    for (int64_t d : s.shape) n *= d;
+    if (it->second == 0) {  // a part of a stacked tensor
+      std::string whole = s.name;
+      for (auto [part, to] : {std::pair{".q_proj.", ".qkv_proj."},
+                              {".k_proj.", ".qkv_proj."},
+                              {".v_proj.", ".qkv_proj."},
+                              {".gate_proj.", ".gate_up_proj."},
+                              {".up_proj.", ".gate_up_proj."}}) {
+        const size_t at = whole.find(part);
+        if (at != std::string::npos) whole.replace(at, std::string(part).size(), to);
+      }
+      stacked[whole] += n;
+    } else {
+      EXPECT_EQ(it->second, n) << s.name;
+    }
+    params.erase(it);
+  }
+  for (const auto& [whole, n] : stacked) {
+    EXPECT_EQ(params[whole], n) << whole;
+    params.erase(whole);
+  }
+  EXPECT_TRUE(params.empty()) << "not in the manifest: " << params.begin()->first;
 }
 
 // The count comes from the headers of every shard: tiny-old (3 shards, bf16) and tiny-new (one

@@ -13,27 +13,6 @@
 
 namespace llava {
 
-std::string CheckpointTensorName(const std::string& canonical, TensorNaming naming) {
-  const bool old = naming == TensorNaming::kOld;
-  auto replace = [&](const std::string& prefix, const std::string& with) {
-    return with + canonical.substr(prefix.size());
-  };
-  if (canonical.rfind("lm.", 0) == 0) {
-    return replace("lm.", old ? "language_model.model." : "model.language_model.");
-  }
-  if (canonical.rfind("lm_head.", 0) == 0) {
-    return old ? "language_model." + canonical : canonical;
-  }
-  if (canonical.rfind("vision.", 0) == 0) {
-    return replace("vision.",
-                   old ? "vision_tower.vision_model." : "model.vision_tower.vision_model.");
-  }
-  if (canonical.rfind("projector.", 0) == 0) {
-    return replace("projector.", old ? "multi_modal_projector." : "model.multi_modal_projector.");
-  }
-  return canonical;
-}
-
 std::string LlavaConfigJson(const LlavaConfig& c) {
   nlohmann::ordered_json j;
   j["architectures"] = {"LlavaForConditionalGeneration"};
@@ -163,59 +142,35 @@ std::vector<std::pair<std::string, at::Tensor>> RandomLlavaWeights(const LlavaCo
                                                                    at::ScalarType dtype,
                                                                    double matrix_std) {
   at::Generator gen = at::detail::createCPUGenerator(seed);
-  std::vector<std::pair<std::string, at::Tensor>> w;
-  auto randn = [&](std::vector<int64_t> shape, double std) {
+  auto randn = [&](const std::vector<int64_t>& shape, double std) {
     return (at::randn(shape, gen, at::kFloat) * std).to(dtype);
   };
-  auto norm = [&](int64_t d) { return (1.0 + at::randn({d}, gen, at::kFloat) * 0.1).to(dtype); };
-  auto linear = [&](const std::string& name, int64_t out, int64_t in, bool bias) {
-    w.emplace_back(name + ".weight", randn({out, in}, matrix_std));
-    if (bias) w.emplace_back(name + ".bias", randn({out}, 0.05));
-  };
-  const VisionConfig& v = c.vision;
-  const int64_t dv = v.hidden_size;
-  w.emplace_back("vision.embeddings.class_embedding", randn({dv}, 0.5));
-  w.emplace_back("vision.embeddings.patch_embedding.weight",
-                 randn({dv, 3, v.patch_size, v.patch_size}, 0.2));
-  w.emplace_back("vision.embeddings.position_embedding.weight",
-                 randn({v.num_patches() + 1, dv}, 0.2));
-  w.emplace_back("vision.pre_layrnorm.weight", norm(dv));
-  w.emplace_back("vision.pre_layrnorm.bias", randn({dv}, 0.05));
-  for (int i = 0; i < v.num_hidden_layers; ++i) {
-    const std::string p = "vision.encoder.layers." + std::to_string(i);
-    for (const char* ln : {".layer_norm1", ".layer_norm2"}) {
-      w.emplace_back(p + ln + ".weight", norm(dv));
-      w.emplace_back(p + ln + ".bias", randn({dv}, 0.05));
+  std::vector<std::pair<std::string, at::Tensor>> w;
+  for (const WeightSpec& s : LlavaWeightManifest(c)) {
+    at::Tensor x;
+    switch (s.role) {
+      case WeightRole::kMatrix:
+        x = randn(s.shape, matrix_std);
+        break;
+      case WeightRole::kBias:
+      case WeightRole::kNormBias:
+        x = randn(s.shape, 0.05);
+        break;
+      case WeightRole::kNormWeight:
+        x = (1.0 + at::randn(s.shape, gen, at::kFloat) * 0.1).to(dtype);
+        break;
+      case WeightRole::kTokenEmbedding:
+        x = randn(s.shape, 1.0);
+        break;
+      case WeightRole::kClassEmbedding:
+        x = randn(s.shape, 0.5);
+        break;
+      case WeightRole::kPatchEmbedding:
+      case WeightRole::kPositionEmbedding:
+        x = randn(s.shape, 0.2);
+        break;
     }
-    for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
-      linear(p + ".self_attn." + proj, dv, dv, true);
-    }
-    linear(p + ".mlp.fc1", v.intermediate_size, dv, true);
-    linear(p + ".mlp.fc2", dv, v.intermediate_size, true);
-  }
-  w.emplace_back("vision.post_layernorm.weight", norm(dv));
-  w.emplace_back("vision.post_layernorm.bias", randn({dv}, 0.05));
-
-  const TextConfig& t = c.text;
-  const int64_t d = t.hidden_size, hd = t.head_dim;
-  linear("projector.linear_1", d, dv, true);
-  linear("projector.linear_2", d, d, true);
-  w.emplace_back("lm.embed_tokens.weight", randn({t.vocab_size, d}, 1.0));
-  for (int i = 0; i < t.num_hidden_layers; ++i) {
-    const std::string p = "lm.layers." + std::to_string(i);
-    w.emplace_back(p + ".input_layernorm.weight", norm(d));
-    linear(p + ".self_attn.q_proj", t.num_attention_heads * hd, d, t.attention_bias);
-    linear(p + ".self_attn.k_proj", t.num_key_value_heads * hd, d, t.attention_bias);
-    linear(p + ".self_attn.v_proj", t.num_key_value_heads * hd, d, t.attention_bias);
-    linear(p + ".self_attn.o_proj", d, t.num_attention_heads * hd, t.attention_bias);
-    w.emplace_back(p + ".post_attention_layernorm.weight", norm(d));
-    linear(p + ".mlp.gate_proj", t.intermediate_size, d, false);
-    linear(p + ".mlp.up_proj", t.intermediate_size, d, false);
-    linear(p + ".mlp.down_proj", d, t.intermediate_size, false);
-  }
-  w.emplace_back("lm.norm.weight", norm(d));
-  if (!t.tie_word_embeddings) {
-    w.emplace_back("lm_head.weight", randn({t.vocab_size, d}, matrix_std));
+    w.emplace_back(s.name, x);
   }
   return w;
 }

@@ -13,15 +13,11 @@
 #include "engine/io/model_config.h"
 #include "engine/io/status.h"
 #include "engine/io/tokenizer.h"
+#include "engine/io/weight_manifest.h"
 
 namespace llava {
 
 class LlavaModel;
-
-enum class TensorNaming { kOld, kNew };  // llava-hf naming generations (see engine/model/weights.h)
-
-// Canonical name ("lm.layers.0...") -> checkpoint name of the chosen generation.
-std::string CheckpointTensorName(const std::string& canonical, TensorNaming naming);
 
 // config.json text for `c` in llava-hf style.
 std::string LlavaConfigJson(const LlavaConfig& c);

@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <limits>
+#include <unordered_map>
 
+#include "engine/io/weight_manifest.h"
 #include "engine/kernels/cpu_gemv.h"
 #include "engine/kernels/cpu_ops.h"
 #include "engine/kernels/decode_attention.h"
@@ -50,41 +52,35 @@ at::Tensor RotateHalf(const at::Tensor& x) {
 }
 
 // Loader helper: takes tensors under a prefix with shapes derived from the config.
+// Takes the tensors of the weight manifest (engine/io/weight_manifest.h), each with its shape
+// there, in the model's dtype (norms in fp32) on its device.
 class Taker {
  public:
-  Taker(WeightSource* r, const ModelOptions& o) : r_(r), o_(o) {}
-  Status Get(const std::string& name, std::vector<int64_t> shape, at::Tensor* out,
-             bool fp32 = false) {
-    return r_->Take(name, shape, fp32 ? DType::kF32 : o_.dtype, o_.device, out);
+  Taker(WeightSource* r, const ModelOptions& o, const LlavaConfig& c) : r_(r), o_(o) {
+    for (WeightSpec& s : LlavaWeightManifest(c)) shapes_[s.name] = std::move(s.shape);
   }
-  Status GetLinear(const std::string& name, int64_t out, int64_t in, bool bias, Linear* l) {
-    LLAVA_RETURN_IF_ERROR(Get(name + ".weight", {out, in}, &l->weight));
-    if (bias) LLAVA_RETURN_IF_ERROR(Get(name + ".bias", {out}, &l->bias));
-    return Status::Ok();
+  Status Get(const std::string& name, at::Tensor* out, bool fp32 = false) {
+    auto it = shapes_.find(name);
+    if (it == shapes_.end()) return Internal("'" + name + "' is not in the weight manifest");
+    return r_->Take(name, it->second, fp32 ? DType::kF32 : o_.dtype, o_.device, out);
   }
-  Status GetLayerNorm(const std::string& name, int64_t dim, double eps, LayerNorm* ln) {
+  // `name`.weight, and `name`.bias where the manifest has one.
+  Status GetLinear(const std::string& name, Linear* l) {
+    LLAVA_RETURN_IF_ERROR(Get(name + ".weight", &l->weight));
+    if (shapes_.count(name + ".bias") == 0) return Status::Ok();
+    return Get(name + ".bias", &l->bias);
+  }
+  Status GetLayerNorm(const std::string& name, double eps, LayerNorm* ln) {
     ln->eps = eps;
-    LLAVA_RETURN_IF_ERROR(Get(name + ".weight", {dim}, &ln->weight, /*fp32=*/true));
-    return Get(name + ".bias", {dim}, &ln->bias, /*fp32=*/true);
+    LLAVA_RETURN_IF_ERROR(Get(name + ".weight", &ln->weight, /*fp32=*/true));
+    return Get(name + ".bias", &ln->bias, /*fp32=*/true);
   }
 
  private:
   WeightSource* r_;
   ModelOptions o_;
+  std::unordered_map<std::string, std::vector<int64_t>> shapes_;
 };
-
-// Tensors a checkpoint legitimately holds that inference does not need.
-bool Ignorable(const std::string& name, const LlavaConfig& c) {
-  if (name.rfind("vision.post_layernorm.", 0) == 0) return true;
-  if (name == "vision.embeddings.position_ids") return true;
-  if (name.find("rotary_emb.inv_freq") != std::string::npos) return true;
-  static const std::string kVisionLayer = "vision.encoder.layers.";
-  if (name.rfind(kVisionLayer, 0) == 0) {
-    const int idx = std::atoi(name.c_str() + kVisionLayer.size());
-    return idx >= c.vision_layers_needed() && idx < c.vision.num_hidden_layers;
-  }
-  return false;
-}
 
 }  // namespace
 
@@ -303,75 +299,68 @@ StatusOr<std::unique_ptr<LlavaModel>> LlavaModel::FromWeights(const LlavaConfig&
 Status LlavaModel::LoadWeights(WeightSource* reader) {
   const TextConfig& t = config_.text;
   const VisionConfig& v = config_.vision;
-  Taker take(reader, options_);
+  Taker take(reader, options_, config_);
 
-  const int64_t dv = v.hidden_size, n_pos = v.num_patches() + 1;
-  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.patch_embedding.weight",
-                                 {dv, 3, v.patch_size, v.patch_size}, &patch_embedding_));
-  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.class_embedding", {dv}, &class_embedding_));
+  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.patch_embedding.weight", &patch_embedding_));
+  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.class_embedding", &class_embedding_));
   LLAVA_RETURN_IF_ERROR(
-      take.Get("vision.embeddings.position_embedding.weight", {n_pos, dv}, &position_embedding_));
+      take.Get("vision.embeddings.position_embedding.weight", &position_embedding_));
   LLAVA_RETURN_IF_ERROR(
-      take.GetLayerNorm("vision.pre_layrnorm", dv, v.layer_norm_eps, &pre_layernorm_));
+      take.GetLayerNorm("vision.pre_layrnorm", v.layer_norm_eps, &pre_layernorm_));
   clip_layers_.resize(config_.vision_layers_needed());
   for (size_t i = 0; i < clip_layers_.size(); ++i) {
     const std::string p = "vision.encoder.layers." + std::to_string(i);
     ClipLayer& l = clip_layers_[i];
-    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm1", dv, v.layer_norm_eps, &l.ln1));
-    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm2", dv, v.layer_norm_eps, &l.ln2));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.q_proj", dv, dv, true, &l.q));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.k_proj", dv, dv, true, &l.k));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.v_proj", dv, dv, true, &l.v));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.out_proj", dv, dv, true, &l.out));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc1", v.intermediate_size, dv, true, &l.fc1));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc2", dv, v.intermediate_size, true, &l.fc2));
+    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm1", v.layer_norm_eps, &l.ln1));
+    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm2", v.layer_norm_eps, &l.ln2));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.q_proj", &l.q));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.k_proj", &l.k));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.v_proj", &l.v));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.out_proj", &l.out));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc1", &l.fc1));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc2", &l.fc2));
   }
+  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_1", &proj1_));
+  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_2", &proj2_));
 
-  const int64_t d = t.hidden_size, hd = t.head_dim;
-  const bool pb = config_.multimodal_projector_bias;
-  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_1", d, dv, pb, &proj1_));
-  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_2", d, d, pb, &proj2_));
-
-  LLAVA_RETURN_IF_ERROR(take.Get("lm.embed_tokens.weight", {t.vocab_size, d}, &embed_tokens_));
+  LLAVA_RETURN_IF_ERROR(take.Get("lm.embed_tokens.weight", &embed_tokens_));
   layers_.resize(t.num_hidden_layers);
   for (int i = 0; i < t.num_hidden_layers; ++i) {
     const std::string p = "lm.layers." + std::to_string(i);
     LlamaLayer& l = layers_[i];
-    const bool ab = t.attention_bias;
-    LLAVA_RETURN_IF_ERROR(take.Get(p + ".input_layernorm.weight", {d}, &l.input_norm));
-    LLAVA_RETURN_IF_ERROR(take.Get(p + ".post_attention_layernorm.weight", {d}, &l.post_norm));
+    LLAVA_RETURN_IF_ERROR(take.Get(p + ".input_layernorm.weight", &l.input_norm));
+    LLAVA_RETURN_IF_ERROR(take.Get(p + ".post_attention_layernorm.weight", &l.post_norm));
     Linear q, k, v, gate, up;
-    LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".self_attn.q_proj", t.num_attention_heads * hd, d, ab, &q));
-    LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".self_attn.k_proj", t.num_key_value_heads * hd, d, ab, &k));
-    LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".self_attn.v_proj", t.num_key_value_heads * hd, d, ab, &v));
-    LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".self_attn.o_proj", d, t.num_attention_heads * hd, ab, &l.o));
-    LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".mlp.gate_proj", t.intermediate_size, d, false, &gate));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.up_proj", t.intermediate_size, d, false, &up));
-    LLAVA_RETURN_IF_ERROR(
-        take.GetLinear(p + ".mlp.down_proj", d, t.intermediate_size, false, &l.down));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.q_proj", &q));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.k_proj", &k));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.v_proj", &v));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.o_proj", &l.o));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.gate_proj", &gate));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.up_proj", &up));
+    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.down_proj", &l.down));
     // Stacked projections: one pass over the activations, one long weight stream per GEMM.
     l.qkv.weight = at::cat({q.weight, k.weight, v.weight}, 0);
-    if (ab) l.qkv.bias = at::cat({q.bias, k.bias, v.bias}, 0);
+    if (q.bias.defined()) l.qkv.bias = at::cat({q.bias, k.bias, v.bias}, 0);
     l.gate_up.weight = at::cat({gate.weight, up.weight}, 0);
   }
-  LLAVA_RETURN_IF_ERROR(take.Get("lm.norm.weight", {d}, &final_norm_));
-  if (t.tie_word_embeddings && !reader->Has("lm_head.weight")) {
-    lm_head_ = embed_tokens_;
+  LLAVA_RETURN_IF_ERROR(take.Get("lm.norm.weight", &final_norm_));
+  if (!t.tie_word_embeddings) {
+    LLAVA_RETURN_IF_ERROR(take.Get("lm_head.weight", &lm_head_));
+  } else if (reader->Has("lm_head.weight")) {  // tied, but saved anyway: take it as it is
+    LLAVA_RETURN_IF_ERROR(reader->Take("lm_head.weight", {t.vocab_size, t.hidden_size},
+                                       options_.dtype, options_.device, &lm_head_));
   } else {
-    LLAVA_RETURN_IF_ERROR(take.Get("lm_head.weight", {t.vocab_size, d}, &lm_head_));
+    lm_head_ = embed_tokens_;
   }
+  const int64_t hd = t.head_dim;
   inv_freq_ = at::pow(t.rope_theta, at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd))
                   .reciprocal()
                   .to(at::kFloat)
                   .to(at::Device(options_.device));
 
   const LlavaConfig& cfg = config_;
-  return reader->CheckAllTaken([&cfg](const std::string& name) { return Ignorable(name, cfg); });
+  return reader->CheckAllTaken(
+      [&cfg](const std::string& name) { return IgnorableTensor(name, cfg); });
 }
 
 std::vector<std::pair<std::string, at::Tensor*>> LlavaModel::MutableParameters() {

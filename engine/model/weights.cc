@@ -11,10 +11,6 @@
 namespace llava {
 namespace {
 
-bool StartsWith(const std::string& s, const std::string& p) {
-  return s.compare(0, p.size(), p) == 0;
-}
-
 bool FileExists(const std::string& path) { return std::ifstream(path).good(); }
 
 at::ScalarType ToScalarType(DType d) {
@@ -85,26 +81,6 @@ class TensorMapSource final : public WeightSource {
 std::unique_ptr<WeightSource> NewTensorMapSource(
     std::vector<std::pair<std::string, at::Tensor>> tensors) {
   return std::make_unique<TensorMapSource>(std::move(tensors));
-}
-
-StatusOr<std::string> CanonicalTensorName(const std::string& name) {
-  static const std::pair<const char*, const char*> kPrefixes[] = {
-      {"language_model.model.", "lm."},
-      {"model.language_model.", "lm."},
-      {"language_model.lm_head.", "lm_head."},
-      {"lm_head.", "lm_head."},
-      {"vision_tower.vision_model.", "vision."},
-      {"model.vision_tower.vision_model.", "vision."},
-      {"multi_modal_projector.", "projector."},
-      {"model.multi_modal_projector.", "projector."},
-      // transformers >= 5 saves the CLIP transformer without its `vision_model.` wrapper.
-      {"vision_tower.", "vision."},
-      {"model.vision_tower.", "vision."},
-  };
-  for (const auto& [from, to] : kPrefixes) {
-    if (StartsWith(name, from)) return std::string(to) + name.substr(std::string(from).size());
-  }
-  return InvalidArgument("unknown tensor '" + name + "' (not a llava-hf tensor name)");
 }
 
 StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::string& dir) {

@@ -3,11 +3,7 @@
 //
 // Files: `model.safetensors`, or shards listed in `model.safetensors.index.json`, or (without
 // an index) every `*.safetensors` in the folder.
-// Canonical names (both llava-hf generations map onto them):
-//   lm.<...>          language_model.model.<...>          | model.language_model.<...>
-//   lm_head.weight    language_model.lm_head.weight       | lm_head.weight
-//   vision.<...>      vision_tower.vision_model.<...>     | model.vision_tower.vision_model.<...>
-//   projector.<...>   multi_modal_projector.<...>         | model.multi_modal_projector.<...>
+// Tensors are looked up under the canonical names of engine/io/weight_manifest.h.
 #pragma once
 
 #include <functional>
@@ -19,15 +15,13 @@
 
 #include "engine/io/safetensors.h"
 #include "engine/io/status.h"
+#include "engine/io/weight_manifest.h"
 
 namespace at {
 class Tensor;
 }
 
 namespace llava {
-
-// Maps a checkpoint tensor name to its canonical name; error for names of neither generation.
-StatusOr<std::string> CanonicalTensorName(const std::string& name);
 
 // Where model weights come from, under canonical names: a checkpoint folder, or tensors in
 // memory (benchmarks, the trainer). The model takes each tensor once, then checks that
