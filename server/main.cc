@@ -16,6 +16,7 @@
 #include "engine/kernels/runtime.h"
 #include "engine/model/model_options.h"
 #include "engine/serving/engine.h"
+#include "server/http_endpoint.h"
 #include "server/llava_service.h"
 
 namespace {

@@ -1,7 +1,6 @@
-// Prometheus metrics of the service (vLLM-style names under the llava_ prefix) and the small
-// HTTP endpoint that serves them. prometheus-cpp's own exposer (civetweb) cannot start its
-// threads in a libtorch + OpenBLAS process (DESIGN.md section 6), so /metrics and /healthz are
-// served by MetricsHttpServer below, with prometheus-cpp's core registry and text serializer.
+// Prometheus metrics of the service (vLLM-style names under the llava_ prefix), kept in
+// prometheus-cpp's core registry and written with its text serializer; http_endpoint.h serves
+// them.
 //
 // Thread safety: all methods may be called from any thread.
 #pragma once
@@ -12,12 +11,9 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
-#include <atomic>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 
 #include "engine/serving/engine.h"
 
@@ -60,25 +56,6 @@ class ServingMetrics {
   prometheus::Histogram* vision_;
   prometheus::Family<prometheus::Counter>* finished_;  // by finish_reason
   prometheus::Family<prometheus::Counter>* status_;    // by gRPC status code
-};
-
-// GET /metrics (Prometheus text) and GET /healthz on a plain TCP port, one thread.
-class MetricsHttpServer {
- public:
-  // `metrics` is called per scrape and returns the body; `healthy` for /healthz.
-  MetricsHttpServer(std::function<std::string()> metrics, std::function<bool()> healthy);
-  ~MetricsHttpServer();
-  // Binds "host:port" (port 0 = ephemeral); returns the bound port or -1.
-  int Start(const std::string& address);
-  void Stop();
-
- private:
-  void Serve();
-  std::function<std::string()> metrics_;
-  std::function<bool()> healthy_;
-  int fd_ = -1;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
 };
 
 }  // namespace llava::server
