@@ -1,3 +1,6 @@
+// The shapes world in one file (~590 lines) on purpose: scenes, rendering, questions,
+// paraphrases and descriptions share its word tables and placement rules (where a cell is, how
+// large a size draws), so one world's rules are read and changed in one place.
 #include "train/shapes_world.h"
 
 #include <algorithm>

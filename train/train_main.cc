@@ -8,7 +8,9 @@
 //      answer tokens (and each answer's </s>) only; warm-up then cosine learning rate;
 //   4. save the llava-hf folder (bf16 safetensors, config, preprocessor config, tokenizer),
 //      also every --save-every steps, so an interrupted run leaves a usable model.
-// Reproducible from --seed for a fixed --steps and thread count.
+// Reproducible from --seed for a fixed --steps and thread count. The data is training_data.h,
+// the initial weights initial_weights.h, the attention targets attention_supervision.h; this
+// file keeps the flags, the probes and the loop.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
@@ -29,180 +31,14 @@
 #include "engine/model/weights.h"
 #include "tools/checkpoint_writer.h"
 #include "train/attention_supervision.h"
+#include "train/initial_weights.h"
 #include "train/shapes_world.h"
+#include "train/training_data.h"
 
 namespace {
 
-using llava::shapes::QA;
-using llava::shapes::Rng;
-
-constexpr uint64_t kSceneStream = 0x5CE9E5ull;
-constexpr int kIgnore = -100;
-
-uint64_t Mix(uint64_t seed, uint64_t a, uint64_t b = 0) {
-  Rng r(seed ^ (a * 0x9E3779B97F4A7C15ull) ^ (b * 0xC2B2AE3D27D4EB4Full));
-  return r.Next();
-}
-
-struct Example {
-  std::vector<int> ids;     // prompt ids with image rows, answers and </s>
-  std::vector<int> labels;  // labels[t] = id predicted from position t (kIgnore if none)
-  std::vector<int> image_offsets;
-  std::vector<float> pixels;  // [3, S, S]
-  // Attention supervision: each short answer's objects (train/attention_supervision.h).
-  std::vector<llava::AttentionTarget> attn_targets;
-  // Patch supervision (--patch-weight): per image patch, the shape, colour and size class of
-  // the object it shows (kNumShapes / kNumColours / kNumSizes = background).
-  std::vector<int64_t> patch_shape, patch_colour, patch_size;
-  // Count supervision (--count-weight): the rows that predict each answer's first token, and
-  // the scene's inventory, how many objects of each shape then of each colour (kNumShapes +
-  // kNumColours entries).
-  std::vector<int64_t> answer_rows;
-  std::vector<int64_t> inventory;
-};
-
-// What the training conversations are made of (train/shapes_world.h SampleConversation) and
-// the shape of the attention targets (train/attention_supervision.h).
-struct DataMix {
-  llava::shapes::ConversationMix conversation;
-  bool absent_to_bos = false;  // --attn-absent: nothing named is there -> all on <s>
-  bool per_object = false;     // --attn-count: <s> and each named object an equal share
-  bool patch_labels = false;   // --patch-weight: label every image patch (Example::patch_*)
-  // --paper-layout: this share of conversations in the Elastic Cache paper's layout (llava_v1
-  // system prompt, the first question before the image); the others image-first.
-  double paper_layout = 0;
-  double paraphrase = 0;  // --paraphrase: each question reworded with this probability
-};
-
-// Builds the token ids of a whole conversation and marks the answer tokens. The template is
-// prefix-stable: the prompt up to turn i's "ASSISTANT:" is a prefix of the whole conversation,
-// and turn i's answer runs from there to its </s>.
-bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
-                  const llava::shapes::Scene& scene, const std::vector<QA>& turns,
-                  const DataMix& mix, bool paper_layout, Example* ex) {
-  using Kind = llava::ContentPart::Kind;
-  std::vector<llava::ChatMessage> messages;
-  if (paper_layout) messages.push_back({"system", {{Kind::kText, llava::kLlavaV1SystemPrompt, 0}}});
-  std::vector<size_t> answer_starts;
-  std::vector<std::vector<int>> prefixes;
-  for (size_t i = 0; i < turns.size(); ++i) {
-    llava::ChatMessage user{"user", {}};
-    if (paper_layout) user.content.push_back({Kind::kText, turns[i].question, 0});
-    if (i == 0) user.content.push_back({Kind::kImage, "", 0});
-    if (!paper_layout) user.content.push_back({Kind::kText, turns[i].question, 0});
-    messages.push_back(user);
-    auto prefix =
-        llava::BuildPrompt(tok, messages, 1, config.image_token_index, config.image_tokens());
-    if (!prefix.ok()) return false;
-    answer_starts.push_back(prefix->ids.size());
-    prefixes.push_back(std::move(prefix->ids));
-    messages.push_back({"assistant", {{llava::ContentPart::Kind::kText, turns[i].answer, 0}}});
-  }
-  messages.push_back({"user", {{llava::ContentPart::Kind::kText, "-", 0}}});
-  auto all = llava::BuildPrompt(tok, messages, 1, config.image_token_index, config.image_tokens());
-  if (!all.ok()) return false;
-  for (size_t i = 0; i < prefixes.size(); ++i) {  // the labels below rely on it
-    if (!std::equal(prefixes[i].begin(), prefixes[i].end(), all->ids.begin())) {
-      std::fprintf(stderr, "BuildExample: turn %zu's prompt is not a prefix\n", i);
-      std::abort();
-    }
-  }
-  ex->labels.assign(all->ids.size(), kIgnore);
-  size_t end = 0;
-  for (size_t start : answer_starts) {
-    size_t t = start;
-    while (t < all->ids.size() && all->ids[t] != tok.eos_id()) ++t;
-    if (t == all->ids.size()) return false;
-    for (size_t u = start; u <= t; ++u) ex->labels[u - 1] = all->ids[u];
-    end = t + 1;
-  }
-  ex->ids.assign(all->ids.begin(), all->ids.begin() + end);
-  ex->labels.resize(end);
-  ex->image_offsets = all->image_offsets;
-  const int size = config.vision.image_size, grid = size / config.vision.patch_size;
-  for (size_t start : answer_starts) ex->answer_rows.push_back(static_cast<int64_t>(start) - 1);
-  ex->inventory.assign(llava::shapes::kNumShapes + llava::shapes::kNumColours, 0);
-  for (const llava::shapes::Object& o : scene.objects) {
-    ++ex->inventory[o.shape];
-    ++ex->inventory[llava::shapes::kNumShapes + o.colour];
-  }
-  for (size_t i = 0; i < turns.size(); ++i) {
-    std::vector<std::vector<int64_t>> objects;
-    std::vector<int> named = llava::shapes::NamedObjects(scene, turns[i].question);
-    if (mix.per_object && turns[i].kind == "count" &&
-        !llava::shapes::NamesAnything(turns[i].question)) {
-      for (size_t o = 0; o < scene.objects.size(); ++o) named.push_back(static_cast<int>(o));
-    }
-    for (int o : named) {
-      objects.emplace_back();
-      for (int p : llava::shapes::ObjectPatches(scene.objects[o], size, grid)) {
-        objects.back().push_back(ex->image_offsets[0] + p);
-      }
-    }
-    std::string kind = turns[i].kind;
-    const bool absent = objects.empty() && llava::shapes::NamesAnything(turns[i].question);
-    if (absent && (mix.absent_to_bos || mix.per_object)) kind += "/absent";
-    llava::AttentionTarget target{static_cast<int64_t>(answer_starts[i]) - 1, {}, kind};
-    if (mix.per_object && (absent || !objects.empty())) {
-      target.parts = {{0}};  // <s>, then one part per object
-      target.parts.insert(target.parts.end(), objects.begin(), objects.end());
-    } else if (absent && mix.absent_to_bos) {
-      target.parts = {{0}};
-    } else if (!objects.empty()) {
-      target.parts.emplace_back();
-      for (const auto& o : objects)
-        target.parts[0].insert(target.parts[0].end(), o.begin(), o.end());
-    }
-    if (!target.parts.empty()) ex->attn_targets.push_back(std::move(target));
-  }
-  return true;
-}
-
-Example MakeExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config, uint64_t seed,
-                    int64_t step, int b, const DataMix& mix) {
-  for (int attempt = 0;; ++attempt) {
-    Rng rng(Mix(seed ^ kSceneStream, static_cast<uint64_t>(step) * 64 + b, attempt));
-    llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
-    std::vector<QA> turns = llava::shapes::SampleConversation(scene, rng, mix.conversation);
-    if (mix.paraphrase > 0) {
-      for (QA& qa : turns) {
-        if (rng.Chance(mix.paraphrase)) qa.question = llava::shapes::Paraphrase(qa.question, rng);
-      }
-    }
-    const bool paper_layout = mix.paper_layout > 0 && rng.Chance(mix.paper_layout);
-    Example ex;
-    if (!BuildExample(tok, config, scene, turns, mix, paper_layout, &ex)) continue;
-    llava::RgbImage img;
-    img.width = img.height = config.vision.image_size;
-    img.pixels = llava::shapes::RenderScene(scene, img.width, rng.Next());
-    ex.pixels = llava::PreprocessImage(img, config.image_processor);
-    if (!mix.patch_labels) return ex;
-    const int grid = config.vision.image_size / config.vision.patch_size;
-    for (int o : llava::shapes::PatchOwners(scene, config.vision.image_size, grid)) {
-      const llava::shapes::Object* obj = o < 0 ? nullptr : &scene.objects[o];
-      ex.patch_shape.push_back(obj ? obj->shape : llava::shapes::kNumShapes);
-      ex.patch_colour.push_back(obj ? obj->colour : llava::shapes::kNumColours);
-      ex.patch_size.push_back(obj ? obj->size : llava::shapes::kNumSizes);
-    }
-    return ex;
-  }
-}
-
-void WriteCorpus(const std::string& path, uint64_t seed, int scenes, const DataMix& mix) {
-  std::ofstream out(path);
-  out << "USER: ASSISTANT:\n";
-  for (int i = 0; i < scenes; ++i) {
-    Rng rng(Mix(seed ^ kSceneStream, 1ull << 40 | i));
-    llava::shapes::Scene scene = llava::shapes::SampleScene(rng);
-    // The tokenizer's corpus keeps the held-out split's share of descriptions and questions.
-    llava::shapes::ConversationMix corpus_mix;
-    corpus_mix.subset = mix.conversation.subset;
-    corpus_mix.grouped = mix.conversation.grouped;
-    for (const QA& qa : llava::shapes::SampleConversation(scene, rng, corpus_mix)) {
-      out << "USER: " << qa.question << " ASSISTANT: " << qa.answer << "\n";
-    }
-  }
-}
+using llava::train::DataMix;
+using llava::train::Example;
 
 // bf16 autocast on the CPU for the forward pass: matmuls in bf16 through oneDNN, reductions
 // and the loss in fp32, master weights fp32. ~3x faster than fp32 here (docs/TRAINING.md).
@@ -223,37 +59,6 @@ class CpuAutocast {
  private:
   bool on_;
 };
-
-// 2-D sin-cos patch positions (as in MAE) for the learned CLIP position embedding, scaled to
-// `rms` per element; the class token's row is zero. The checkpoint writer's N(0, 0.2) positions
-// are ~2.5x weaker than the patch contents (RMS ~0.5 with N(0, 0.02) patch weights), and the
-// first model never learnt where objects are (docs/TRAINING.md).
-at::Tensor SinCosPositions(const llava::VisionConfig& v, double rms) {
-  const int64_t grid = v.image_size / v.patch_size, d = v.hidden_size, quarter = d / 4;
-  at::Tensor out = at::zeros({grid * grid + 1, d});
-  auto a = out.accessor<float, 2>();
-  for (int64_t r = 0; r < grid; ++r) {
-    for (int64_t c = 0; c < grid; ++c) {
-      for (int64_t k = 0; k < quarter; ++k) {
-        // wavelengths from 2 pi to 2 pi * 100 patches: the grid is only `grid` wide
-        const double omega = std::pow(100.0, -double(k) / quarter);
-        float* row = &a[1 + r * grid + c][0];
-        row[k] = static_cast<float>(std::sin(r * omega));
-        row[quarter + k] = static_cast<float>(std::cos(r * omega));
-        row[2 * quarter + k] = static_cast<float>(std::sin(c * omega));
-        row[3 * quarter + k] = static_cast<float>(std::cos(c * omega));
-      }
-    }
-  }
-  return out * (rms / std::sqrt(0.5));
-}
-
-llava::LlavaConfig DefaultConfig(const llava::Tokenizer& tok, bool tie_embeddings) {
-  llava::LlavaConfig c =
-      llava::PresetConfig(llava::ModelPreset::kShapes, tok.vocab_size(), tok.PieceToId("<image>"));
-  c.text.tie_word_embeddings = tie_embeddings;
-  return c;
-}
 
 // Every flag of llava-train (AddFlags documents them).
 struct TrainFlags {
@@ -390,45 +195,18 @@ llava::StatusOr<std::unique_ptr<llava::Tokenizer>> PrepareTokenizer(const TrainF
     return llava::Tokenizer::Load(f.out_dir + "/tokenizer.model");
   }
   const std::string corpus = f.out_dir + "/.corpus.txt";
-  WriteCorpus(corpus, f.seed, f.corpus_scenes, f.mix);
+  llava::train::WriteCorpus(corpus, f.seed, f.corpus_scenes, f.mix);
   return llava::TrainTokenizer(corpus, f.out_dir, f.vocab);
 }
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
-
-// The initial weights in fp32 under their checkpoint names: seeded random ones, or --init's.
-llava::StatusOr<NamedTensors> InitialWeights(const llava::LlavaConfig& config,
-                                             const TrainFlags& f) {
-  NamedTensors init = llava::RandomLlavaWeights(config, f.seed, at::kFloat, 0.02);
-  {
-    // LLaMA/CLIP-style small initial embeddings (the test checkpoints' N(0, 1) token
-    // embeddings dwarf every layer's update, and large patch embeddings make the pre-layernorm
-    // erase brightness): see docs/TRAINING.md.
-    at::NoGradGuard no_grad;
-    at::Generator gen = at::detail::createCPUGenerator(f.seed + 1);
-    for (auto& [name, t] : init) {
-      if (name == "lm.embed_tokens.weight") t.normal_(0.0, f.embed_std, gen);
-      if (name == "vision.embeddings.patch_embedding.weight") t.normal_(0.0, f.patch_std, gen);
-      if (name == "vision.embeddings.position_embedding.weight" && f.pos_rms > 0) {
-        t.copy_(SinCosPositions(config.vision, f.pos_rms));
-      }
-    }
-  }
-  if (f.init_dir.empty()) return init;
-  LLAVA_ASSIGN_OR_RETURN(std::unique_ptr<llava::CheckpointReader> reader,
-                         llava::CheckpointReader::Open(f.init_dir));
-  for (auto& [name, t] : init) {
-    LLAVA_RETURN_IF_ERROR(reader->Take(name, t.sizes().vec(), llava::DType::kF32, "cpu", &t));
-    t = t.clone();  // the reader's mapping goes away on return
-  }
-  return init;
-}
 
 // The probes trained alongside the model and never saved (--patch-weight, --count-weight).
 constexpr int64_t kPatchClasses[3] = {llava::shapes::kNumShapes + 1, llava::shapes::kNumColours + 1,
                                       llava::shapes::kNumSizes + 1};
 constexpr int64_t kInventory = llava::shapes::kNumShapes + llava::shapes::kNumColours;
 constexpr int64_t kCountClasses = llava::shapes::kMaxObjects + 1;
+
 struct Probes {
   at::Tensor patch_w, patch_b;  // image row -> shape, colour and size logits
   at::Tensor count_w, count_b;  // answer row -> kInventory classifications over 0..kMaxObjects
@@ -541,7 +319,8 @@ StepLosses TrainStep(llava::LlavaModel& model, const llava::Tokenizer& tok,
   std::vector<at::Tensor> layer_outputs;
   at::Tensor logits = model.Forward(chunks, f.count_weight > 0 ? &layer_outputs : nullptr);
   at::Tensor target = at::tensor(labels, at::kLong);
-  at::Tensor loss = at::cross_entropy_loss(logits, target, {}, at::Reduction::Mean, kIgnore);
+  at::Tensor loss =
+      at::cross_entropy_loss(logits, target, {}, at::Reduction::Mean, llava::train::kIgnoreLabel);
   losses.lm = loss.item<double>();
   if (f.attn_weight > 0 && !attn_terms.empty()) {
     at::Tensor a = at::stack(attn_terms).mean();
@@ -609,9 +388,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", tok.status().ToString().c_str());
     return 1;
   }
-  auto config_or = f.init_dir.empty()
-                       ? llava::StatusOr<llava::LlavaConfig>(DefaultConfig(**tok, f.tie_embeddings))
-                       : llava::LoadLlavaConfig(f.init_dir);
+  auto config_or = f.init_dir.empty() ? llava::StatusOr<llava::LlavaConfig>(
+                                            llava::train::DefaultConfig(**tok, f.tie_embeddings))
+                                      : llava::LoadLlavaConfig(f.init_dir);
   if (!config_or.ok()) {
     std::fprintf(stderr, "--init %s: %s\n", f.init_dir.c_str(),
                  config_or.status().ToString().c_str());
@@ -623,7 +402,13 @@ int main(int argc, char** argv) {
                  config.text.num_hidden_layers);
     return 2;
   }
-  auto init = InitialWeights(config, f);
+  llava::train::InitOptions io;
+  io.seed = f.seed;
+  io.embed_std = f.embed_std;
+  io.patch_std = f.patch_std;
+  io.pos_rms = f.pos_rms;
+  io.init_dir = f.init_dir;
+  auto init = llava::train::InitialWeights(config, io);
   if (!init.ok()) {
     std::fprintf(stderr, "--init %s: %s\n", f.init_dir.c_str(), init.status().ToString().c_str());
     return 1;

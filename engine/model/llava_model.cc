@@ -1,3 +1,6 @@
+// The LLaVA forward pass in one file (~640 lines) on purpose: loading, the vision tower, the
+// decoder layers, cached and decode attention and the batched Forward are one data flow that
+// reads top to bottom in the order of the papers; the kernels it calls live in engine/kernels.
 #include "engine/model/llava_model.h"
 
 #include <ATen/Parallel.h>
