@@ -4,7 +4,8 @@ WORKDIR /src
 COPY scripts/install-deps.sh scripts/install-deps.sh
 RUN bash scripts/install-deps.sh
 COPY . .
-RUN cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD_TESTS=OFF \
+RUN cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD_TESTS=OFF -DLLAVA_BUILD_BENCH=OFF \
+      -DLLAVA_BUILD_DEV_TOOLS=OFF -DLLAVA_BUILD_TRAIN=OFF \
       -DLLAVA_DEFAULT_MODEL_DIR=/opt/llava/models/default \
  && cmake --build build -j"$(nproc)"
 

@@ -8,7 +8,7 @@
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
 #include "tests/test_util.h"
-#include "tools/checkpoint_writer.h"
+#include "train/checkpoint_writer.h"
 
 namespace llava {
 namespace {

@@ -6,7 +6,7 @@
 #include "engine/model/weights.h"
 #include "engine/serving/generator.h"
 #include "tests/test_util.h"
-#include "tools/checkpoint_writer.h"
+#include "train/checkpoint_writer.h"
 
 namespace llava {
 namespace {

@@ -8,7 +8,7 @@
 
 #include "engine/io/tokenizer.h"
 #include "engine/kernels/runtime.h"
-#include "tools/checkpoint_writer.h"
+#include "train/checkpoint_writer.h"
 
 namespace {
 

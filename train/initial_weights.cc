@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "engine/model/weights.h"
-#include "tools/checkpoint_writer.h"
+#include "train/checkpoint_writer.h"
 
 namespace llava::train {
 

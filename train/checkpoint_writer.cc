@@ -1,4 +1,4 @@
-#include "tools/checkpoint_writer.h"
+#include "train/checkpoint_writer.h"
 
 #include <sys/stat.h>
 
