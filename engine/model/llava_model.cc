@@ -299,54 +299,84 @@ StatusOr<std::unique_ptr<LlavaModel>> LlavaModel::FromWeights(const LlavaConfig&
   return m;
 }
 
-Status LlavaModel::LoadWeights(WeightSource* reader) {
-  const TextConfig& t = config_.text;
-  const VisionConfig& v = config_.vision;
-  Taker take(reader, options_, config_);
+// A tensor of the model: a plain one, a Linear, a LayerNorm, or a Linear whose weight (and
+// bias) stacks the checkpoint's `parts` along the output rows.
+struct LlavaModel::Slot {
+  std::string name;
+  at::Tensor* tensor = nullptr;
+  Linear* linear = nullptr;
+  LayerNorm* norm = nullptr;
+  std::vector<std::string> parts;
+};
 
-  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.patch_embedding.weight", &patch_embedding_));
-  LLAVA_RETURN_IF_ERROR(take.Get("vision.embeddings.class_embedding", &class_embedding_));
-  LLAVA_RETURN_IF_ERROR(
-      take.Get("vision.embeddings.position_embedding.weight", &position_embedding_));
-  LLAVA_RETURN_IF_ERROR(
-      take.GetLayerNorm("vision.pre_layrnorm", v.layer_norm_eps, &pre_layernorm_));
-  clip_layers_.resize(config_.vision_layers_needed());
+std::vector<LlavaModel::Slot> LlavaModel::Slots() {
+  std::vector<Slot> out;
+  auto tensor = [&out](std::string name, at::Tensor* t) { out.push_back({std::move(name), t}); };
+  auto linear = [&out](std::string name, Linear* l, std::vector<std::string> parts = {}) {
+    out.push_back({std::move(name), nullptr, l, nullptr, std::move(parts)});
+  };
+  auto norm = [&out](std::string name, LayerNorm* n) {
+    out.push_back({std::move(name), nullptr, nullptr, n});
+  };
+  tensor("vision.embeddings.patch_embedding.weight", &patch_embedding_);
+  tensor("vision.embeddings.class_embedding", &class_embedding_);
+  tensor("vision.embeddings.position_embedding.weight", &position_embedding_);
+  norm("vision.pre_layrnorm", &pre_layernorm_);
   for (size_t i = 0; i < clip_layers_.size(); ++i) {
     const std::string p = "vision.encoder.layers." + std::to_string(i);
     ClipLayer& l = clip_layers_[i];
-    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm1", v.layer_norm_eps, &l.ln1));
-    LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(p + ".layer_norm2", v.layer_norm_eps, &l.ln2));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.q_proj", &l.q));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.k_proj", &l.k));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.v_proj", &l.v));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.out_proj", &l.out));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc1", &l.fc1));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.fc2", &l.fc2));
+    norm(p + ".layer_norm1", &l.ln1);
+    norm(p + ".layer_norm2", &l.ln2);
+    linear(p + ".self_attn.q_proj", &l.q);
+    linear(p + ".self_attn.k_proj", &l.k);
+    linear(p + ".self_attn.v_proj", &l.v);
+    linear(p + ".self_attn.out_proj", &l.out);
+    linear(p + ".mlp.fc1", &l.fc1);
+    linear(p + ".mlp.fc2", &l.fc2);
   }
-  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_1", &proj1_));
-  LLAVA_RETURN_IF_ERROR(take.GetLinear("projector.linear_2", &proj2_));
-
-  LLAVA_RETURN_IF_ERROR(take.Get("lm.embed_tokens.weight", &embed_tokens_));
-  layers_.resize(t.num_hidden_layers);
-  for (int i = 0; i < t.num_hidden_layers; ++i) {
+  linear("projector.linear_1", &proj1_);
+  linear("projector.linear_2", &proj2_);
+  tensor("lm.embed_tokens.weight", &embed_tokens_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
     const std::string p = "lm.layers." + std::to_string(i);
     LlamaLayer& l = layers_[i];
-    LLAVA_RETURN_IF_ERROR(take.Get(p + ".input_layernorm.weight", &l.input_norm));
-    LLAVA_RETURN_IF_ERROR(take.Get(p + ".post_attention_layernorm.weight", &l.post_norm));
-    Linear q, k, v, gate, up;
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.q_proj", &q));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.k_proj", &k));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.v_proj", &v));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".self_attn.o_proj", &l.o));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.gate_proj", &gate));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.up_proj", &up));
-    LLAVA_RETURN_IF_ERROR(take.GetLinear(p + ".mlp.down_proj", &l.down));
+    tensor(p + ".input_layernorm.weight", &l.input_norm);
+    tensor(p + ".post_attention_layernorm.weight", &l.post_norm);
     // Stacked projections: one pass over the activations, one long weight stream per GEMM.
-    l.qkv.weight = at::cat({q.weight, k.weight, v.weight}, 0);
-    if (q.bias.defined()) l.qkv.bias = at::cat({q.bias, k.bias, v.bias}, 0);
-    l.gate_up.weight = at::cat({gate.weight, up.weight}, 0);
+    linear(p + ".self_attn.qkv_proj", &l.qkv,
+           {p + ".self_attn.q_proj", p + ".self_attn.k_proj", p + ".self_attn.v_proj"});
+    linear(p + ".self_attn.o_proj", &l.o);
+    linear(p + ".mlp.gate_up_proj", &l.gate_up, {p + ".mlp.gate_proj", p + ".mlp.up_proj"});
+    linear(p + ".mlp.down_proj", &l.down);
   }
-  LLAVA_RETURN_IF_ERROR(take.Get("lm.norm.weight", &final_norm_));
+  tensor("lm.norm.weight", &final_norm_);
+  return out;
+}
+
+Status LlavaModel::LoadWeights(WeightSource* reader) {
+  const TextConfig& t = config_.text;
+  Taker take(reader, options_, config_);
+  clip_layers_.resize(config_.vision_layers_needed());
+  layers_.resize(t.num_hidden_layers);
+  for (const Slot& s : Slots()) {
+    if (s.tensor != nullptr) {
+      LLAVA_RETURN_IF_ERROR(take.Get(s.name, s.tensor));
+    } else if (s.norm != nullptr) {
+      LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(s.name, config_.vision.layer_norm_eps, s.norm));
+    } else if (s.parts.empty()) {
+      LLAVA_RETURN_IF_ERROR(take.GetLinear(s.name, s.linear));
+    } else {
+      std::vector<at::Tensor> weights, biases;
+      for (const std::string& part : s.parts) {
+        Linear l;
+        LLAVA_RETURN_IF_ERROR(take.GetLinear(part, &l));
+        weights.push_back(l.weight);
+        if (l.bias.defined()) biases.push_back(l.bias);
+      }
+      s.linear->weight = at::cat(weights, 0);
+      if (!biases.empty()) s.linear->bias = at::cat(biases, 0);
+    }
+  }
   if (!t.tie_word_embeddings) {
     LLAVA_RETURN_IF_ERROR(take.Get("lm_head.weight", &lm_head_));
   } else if (reader->Has("lm_head.weight")) {  // tied, but saved anyway: take it as it is
@@ -371,44 +401,17 @@ std::vector<std::pair<std::string, at::Tensor*>> LlavaModel::MutableParameters()
   auto add = [&out](const std::string& name, at::Tensor* t) {
     if (t->defined()) out.emplace_back(name, t);
   };
-  auto add_linear = [&add](const std::string& name, Linear* l) {
-    add(name + ".weight", &l->weight);
-    add(name + ".bias", &l->bias);
-  };
-  auto add_norm = [&add](const std::string& name, LayerNorm* n) {
-    add(name + ".weight", &n->weight);
-    add(name + ".bias", &n->bias);
-  };
-  add("vision.embeddings.patch_embedding.weight", &patch_embedding_);
-  add("vision.embeddings.class_embedding", &class_embedding_);
-  add("vision.embeddings.position_embedding.weight", &position_embedding_);
-  add_norm("vision.pre_layrnorm", &pre_layernorm_);
-  for (size_t i = 0; i < clip_layers_.size(); ++i) {
-    const std::string p = "vision.encoder.layers." + std::to_string(i);
-    ClipLayer& l = clip_layers_[i];
-    add_norm(p + ".layer_norm1", &l.ln1);
-    add_norm(p + ".layer_norm2", &l.ln2);
-    add_linear(p + ".self_attn.q_proj", &l.q);
-    add_linear(p + ".self_attn.k_proj", &l.k);
-    add_linear(p + ".self_attn.v_proj", &l.v);
-    add_linear(p + ".self_attn.out_proj", &l.out);
-    add_linear(p + ".mlp.fc1", &l.fc1);
-    add_linear(p + ".mlp.fc2", &l.fc2);
+  for (const Slot& s : Slots()) {
+    if (s.tensor != nullptr) {
+      add(s.name, s.tensor);
+    } else if (s.norm != nullptr) {
+      add(s.name + ".weight", &s.norm->weight);
+      add(s.name + ".bias", &s.norm->bias);
+    } else {
+      add(s.name + ".weight", &s.linear->weight);
+      add(s.name + ".bias", &s.linear->bias);
+    }
   }
-  add_linear("projector.linear_1", &proj1_);
-  add_linear("projector.linear_2", &proj2_);
-  add("lm.embed_tokens.weight", &embed_tokens_);
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const std::string p = "lm.layers." + std::to_string(i);
-    LlamaLayer& l = layers_[i];
-    add(p + ".input_layernorm.weight", &l.input_norm);
-    add(p + ".post_attention_layernorm.weight", &l.post_norm);
-    add_linear(p + ".self_attn.qkv_proj", &l.qkv);
-    add_linear(p + ".self_attn.o_proj", &l.o);
-    add_linear(p + ".mlp.gate_up_proj", &l.gate_up);
-    add_linear(p + ".mlp.down_proj", &l.down);
-  }
-  add("lm.norm.weight", &final_norm_);
   if (!lm_head_.is_same(embed_tokens_)) add("lm_head.weight", &lm_head_);
   return out;
 }

@@ -122,6 +122,11 @@ class LlavaModel {
  private:
   LlavaModel() = default;
   Status LoadWeights(WeightSource* source);
+  // Where each tensor the forward pass reads lives in this model, under its parameter name:
+  // the one walk that the loader and the trainer's parameter list share (lm_head apart: it
+  // may alias the token embeddings). Layers must be sized first.
+  struct Slot;
+  std::vector<Slot> Slots();
   at::Tensor Attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                        int layer, KvCache* cache) const;
   // Attention output of every chunk of one layer, [N, H*hd] in row order; `decode_rows` are
