@@ -1,5 +1,5 @@
 // Parity with Hugging Face transformers on a fixture it produced
-// (tools/hf_reference/make_reference.py, transformers 5.17 / torch 2.11, fp32 on CPU):
+// (tests/fixtures/make_hf_reference.py, transformers 5.17 / torch 2.11, fp32 on CPU):
 // a tiny random LlavaForConditionalGeneration saved by save_pretrained, the logits of every
 // position for a prompt with one image, HF's greedy continuation, and CLIPImageProcessor's
 // output for a test image. Nothing here was produced by our own code.
