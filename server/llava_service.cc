@@ -60,8 +60,6 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     uint64_t id = 0;
     Status s = service->Start(context, *request, observer, &id, &observer->log);
     if (!s.ok()) {
-      spdlog::warn("request rejected: {}", s.ToString());
-      if (service->metrics()) service->metrics()->RecordRejected(s);
       Finish(ToGrpcStatus(s));
       return;
     }
@@ -120,8 +118,6 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
     uint64_t id = 0;
     Status s = service->Start(context, *request, observer_, &id, &observer_->log);
     if (!s.ok()) {
-      spdlog::warn("request rejected: {}", s.ToString());
-      if (service->metrics()) service->metrics()->RecordRejected(s);
       Finish(ToGrpcStatus(s));
       return;
     }
@@ -243,6 +239,18 @@ LlavaServiceImpl::LlavaServiceImpl(EngineApi* engine, ServiceConfig config)
 Status LlavaServiceImpl::Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
                                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
                                RequestLog* log) {
+  Status s = Submit(context, request, std::move(observer), engine_id, log);
+  if (!s.ok()) {
+    spdlog::warn("request rejected: {}", s.ToString());
+    if (config_.metrics != nullptr) config_.metrics->RecordRejected(s);
+  }
+  return s;
+}
+
+Status LlavaServiceImpl::Submit(grpc::CallbackServerContext* context,
+                                const v1::ChatRequest& request,
+                                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
+                                RequestLog* log) {
   LLAVA_ASSIGN_OR_RETURN(GenerationRequest converted,
                          ToGenerationRequest(request, config_.defaults));
   *engine_id = next_id_.fetch_add(1);

@@ -52,8 +52,9 @@ class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
 
-  // Converts and submits; on error nothing was submitted. Fills the engine id and, before the
-  // engine can call `observer`, the request's log facts (its id included). Thread-safe.
+  // Converts and submits; on error nothing was submitted, and the refusal is logged and
+  // counted. Fills the engine id and, before the engine can call `observer`, the request's log
+  // facts (its id included). Thread-safe.
   Status Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id, RequestLog* log);
 
@@ -61,6 +62,9 @@ class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
   ServingMetrics* metrics() { return config_.metrics; }
 
  private:
+  Status Submit(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
+                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id, RequestLog* log);
+
   EngineApi* engine_;
   ServiceConfig config_;
   std::atomic<uint64_t> next_id_{1};

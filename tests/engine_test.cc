@@ -16,6 +16,7 @@
 #include "engine/serving/generator.h"
 #include "tests/engine_observer.h"
 #include "tests/test_util.h"
+#include "tests/tiny_model.h"
 
 namespace llava {
 namespace {
@@ -45,20 +46,7 @@ GenerationRequest Request(const std::string& question, int max_tokens, bool imag
   return r;
 }
 
-class EngineTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    InitTorchThreads(2);
-    ModelOptions o;
-    o.dtype = DType::kF32;
-    auto m = LoadModel(::llava::testing::TestData() + "/tiny-new", o);
-    ASSERT_TRUE(m.ok()) << m.status().ToString();
-    loaded_ = std::move(m).value().release();
-  }
-  static void TearDownTestSuite() { delete loaded_; }
-  static LoadedModel* loaded_;
-};
-LoadedModel* EngineTest::loaded_ = nullptr;
+class EngineTest : public ::llava::testing::TinyModelTest {};
 
 // Submits `reqs` as ids 1..n; stops at the first refusal (fewer collectors than requests).
 std::vector<std::shared_ptr<Collector>> SubmitAll(Engine* engine,

@@ -9,6 +9,7 @@
 #include "engine/model/llava_model.h"
 #include "engine/serving/generator.h"
 #include "tests/test_util.h"
+#include "tests/tiny_model.h"
 
 namespace llava {
 namespace {
@@ -32,20 +33,7 @@ GenerationRequest Request(int max_tokens) {
   return r;
 }
 
-class GenerationTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    InitTorchThreads(2);
-    ModelOptions o;
-    o.dtype = DType::kF32;
-    auto m = LoadModel(::llava::testing::TestData() + "/tiny-new", o);
-    ASSERT_TRUE(m.ok()) << m.status().ToString();
-    loaded_ = std::move(m).value().release();
-  }
-  static void TearDownTestSuite() { delete loaded_; }
-  static LoadedModel* loaded_;
-};
-LoadedModel* GenerationTest::loaded_ = nullptr;
+class GenerationTest : public ::llava::testing::TinyModelTest {};
 
 // Reference: greedy decoding that recomputes the whole sequence without reusing a cache.
 std::vector<int> NaiveGreedy(const LoadedModel& m, const GenerationRequest& req, int steps) {
