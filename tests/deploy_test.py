@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks deploy/ against the code it deploys: the Prometheus config and rules pass promtool,
+"""Checks deploy/ against the code it deploys: the Prometheus config and rules pass promtool
+and every alert's unit tests (one case that fires, one that does not),
 every metric the alerts and the Grafana dashboard query is one llava-server exports, every
 setting of the Kubernetes ConfigMap is a llava-server flag, and the manifests agree with each
 other (ports, labels, grace period).
@@ -55,9 +56,22 @@ r = subprocess.run(["promtool", "check", "config", os.path.join(DEPLOY, "prometh
 check(r.returncode == 0, "promtool check config failed:\n" + r.stdout + r.stderr)
 check_queries(read("deploy", "prometheus", "alerts.yml"), "alerts.yml")
 rules = yaml.safe_load(read("deploy", "prometheus", "alerts.yml"))
+alerts = set()
 for g in rules["groups"]:
     for rule in g["rules"]:
         check("summary" in rule.get("annotations", {}), f"alert {rule.get('alert')} has no summary")
+        alerts.add(rule.get("alert"))
+# The alerts' unit tests pass, and each alert has one case that fires and one that does not.
+r = subprocess.run(["promtool", "test", "rules", "alerts_test.yml"],
+                   cwd=os.path.join(DEPLOY, "prometheus"), capture_output=True, text=True)
+check(r.returncode == 0, "promtool test rules alerts_test.yml failed:\n" + r.stdout + r.stderr)
+fires, quiet = set(), set()
+for t in yaml.safe_load(read("deploy", "prometheus", "alerts_test.yml"))["tests"]:
+    for case in t.get("alert_rule_test", []):
+        (fires if case.get("exp_alerts") else quiet).add(case["alertname"])
+for a in sorted(alerts):
+    check(a in fires, f"alerts_test.yml: no case in which {a} fires")
+    check(a in quiet, f"alerts_test.yml: no case in which {a} stays quiet")
 
 # --- Grafana ----------------------------------------------------------------------------------
 dash = json.loads(read("deploy", "grafana", "llava-dashboard.json"))
