@@ -10,6 +10,9 @@ RUN cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD_TESTS=OFF -DLLA
  && cmake --build build -j"$(nproc)"
 
 FROM debian:12
+LABEL org.opencontainers.image.title="llava-server" \
+      org.opencontainers.image.description="gRPC LLaVA chat service on libtorch with Elastic Cache KV compression" \
+      org.opencontainers.image.base.name="debian:12"
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       libtorch1.13 libopenblas0-pthread libopencv-core406 libopencv-imgproc406 \
@@ -25,4 +28,7 @@ EXPOSE 50051 9090
 # Settings as environment variables, not arguments: command-line flags would override the
 # LLAVA_* values of deploy/kubernetes/configmap.yaml. One intra-op thread suits the default model.
 ENV LLAVA_LISTEN=0.0.0.0:50051 LLAVA_METRICS_LISTEN=0.0.0.0:9090 LLAVA_THREADS=1
+# Docker's own health check reads /healthz on the metrics port (Kubernetes uses its probes).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/${LLAVA_METRICS_LISTEN##*:} && printf 'GET /healthz HTTP/1.0\\r\\n\\r\\n' >&3 && head -c 12 <&3 | grep -q ' 200'"]
 ENTRYPOINT ["llava-server"]
