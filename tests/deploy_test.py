@@ -147,7 +147,7 @@ check(not re.search(r"^(CMD|ENTRYPOINT)[^\n]*--", dockerfile, re.M),
 for port in ports.values():
     check(re.search(rf"EXPOSE[^\n]*\b{port}\b", dockerfile) is not None,
           f"Dockerfile does not EXPOSE {port}")
-health = re.search(r"^HEALTHCHECK[^\n]*\\\n[^\n]*", dockerfile, re.M)
+health = re.search(r"^HEALTHCHECK [^\n]*\\\n[^\n]*", dockerfile, re.M)
 check(health is not None and "/healthz" in health.group(0) and "LLAVA_METRICS_LISTEN" in health.group(0),
       "Dockerfile: no HEALTHCHECK reading /healthz on the LLAVA_METRICS_LISTEN port")
 ignored = read(".dockerignore").split()
