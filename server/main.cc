@@ -159,6 +159,7 @@ int main(int argc, char** argv) {
   llava::server::MetricsHttpServer http(
       [&] {
         metrics.UpdateFromEngine(engine.Snapshot());
+        metrics.UpdateProcess();
         return metrics.Serialize();
       },
       [&] { return serving.load(); });

@@ -1,6 +1,16 @@
 #include "server/metrics.h"
 
 #include <prometheus/text_serializer.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <vector>
 
 namespace llava::server {
 namespace {
@@ -12,6 +22,26 @@ using prometheus::Histogram;
 
 Histogram::BucketBoundaries LatencyBuckets() {
   return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+}
+
+Histogram::BucketBoundaries CompressionBuckets() {
+  return {0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0};
+}
+
+constexpr CachePolicy kPolicies[] = {CachePolicy::kFull, CachePolicy::kElastic, CachePolicy::kH2O,
+                                     CachePolicy::kStreamingLLM};
+
+// The container's memory limit in bytes (cgroup v2, then v1), or 0 when there is none.
+double CgroupMemoryLimit() {
+  for (const char* path :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(path);
+    std::string v;
+    if (!(in >> v) || v == "max") continue;
+    const double bytes = std::strtod(v.c_str(), nullptr);
+    if (bytes > 0 && bytes < 9e18) return bytes;  // v1 writes ~2^63 for "no limit"
+  }
+  return 0;
 }
 
 }  // namespace
@@ -37,12 +67,24 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
                              "KV bytes reserved by admission for the running requests.");
   kv_budget_bytes_ = gauge("llava_kv_cache_budget_bytes", "The KV byte budget for admission.");
   batch_size_ = gauge("llava_batch_size", "Sequences in the last decode step.");
-  compression_ratio_ = histogram(
-      "llava_kv_compression_ratio", "KV bytes kept / full-equivalent bytes at request end.",
-      {0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0});
-  merged_ =
-      counter("llava_kv_tokens_merged_total", "Prompt entries merged into anchors (per layer).");
-  evicted_ = counter("llava_kv_tokens_evicted_total", "KV entries evicted (per layer).");
+  compression_ratio_ =
+      &BuildHistogram()
+           .Name("llava_kv_compression_ratio")
+           .Help("KV bytes kept / full-equivalent bytes at request end, by cache policy.")
+           .Register(*registry_);
+  merged_ = &BuildCounter()
+                 .Name("llava_kv_tokens_merged_total")
+                 .Help("Prompt entries merged into anchors (per layer), by cache policy.")
+                 .Register(*registry_);
+  evicted_ = &BuildCounter()
+                  .Name("llava_kv_tokens_evicted_total")
+                  .Help("KV entries evicted (per layer), by cache policy.")
+                  .Register(*registry_);
+  for (CachePolicy p : kPolicies) {
+    compression_ratio_->Add({{"policy", CachePolicyName(p)}}, CompressionBuckets());
+    merged_->Add({{"policy", CachePolicyName(p)}});
+    evicted_->Add({{"policy", CachePolicyName(p)}});
+  }
   prompt_tokens_ =
       counter("llava_prompt_tokens_total", "Prompt tokens processed, image tokens included.");
   generation_tokens_ = counter("llava_generation_tokens_total", "Tokens generated.");
@@ -68,9 +110,51 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
   for (const char* r : {"stop", "length", "cancelled", "error"})
     finished_->Add({{"finish_reason", r}});
   status_->Add({{"code", "OK"}});
+
+  resident_bytes_ = gauge("process_resident_memory_bytes", "Resident memory size in bytes.");
+  virtual_bytes_ = gauge("process_virtual_memory_bytes", "Virtual memory size in bytes.");
+  open_fds_ = gauge("process_open_fds", "Number of open file descriptors.");
+  start_time_ = gauge("process_start_time_seconds", "Start time of the process since the epoch.");
+  cpu_seconds_ = counter("process_cpu_seconds_total", "User and system CPU time in seconds.");
+  memory_limit_ = gauge("llava_memory_limit_bytes",
+                        "The container's memory limit (cgroup), 0 when there is none.");
+  start_time_->Set(
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  UpdateProcess();
 }
 
-void ServingMetrics::RecordFinished(const StatusOr<GenerationResult>& result, double queue_s) {
+void ServingMetrics::UpdateProcess() {
+  // /proc/self/stat: fields 14-15 are utime and stime in clock ticks, 23 vsize in bytes and 24
+  // rss in pages (after the parenthesised command name, which may hold spaces).
+  std::ifstream in("/proc/self/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');
+  if (close != std::string::npos) {
+    std::istringstream fields(stat.substr(close + 2));
+    std::vector<std::string> f{std::istream_iterator<std::string>(fields),
+                               std::istream_iterator<std::string>()};
+    if (f.size() > 21) {  // f[0] is field 3 (state)
+      const double ticks = static_cast<double>(::sysconf(_SC_CLK_TCK));
+      const double cpu = (std::stod(f[11]) + std::stod(f[12])) / ticks;
+      virtual_bytes_->Set(std::stod(f[20]));
+      resident_bytes_->Set(std::stod(f[21]) * static_cast<double>(::sysconf(_SC_PAGESIZE)));
+      std::lock_guard<std::mutex> lock(process_mu_);
+      if (cpu > cpu_seconds_seen_) cpu_seconds_->Increment(cpu - cpu_seconds_seen_);
+      cpu_seconds_seen_ = std::max(cpu_seconds_seen_, cpu);
+    }
+  }
+  std::error_code ec;
+  int fds = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/fd", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++fds;
+  }
+  open_fds_->Set(fds);
+  memory_limit_->Set(CgroupMemoryLimit());
+}
+
+void ServingMetrics::RecordFinished(const StatusOr<GenerationResult>& result, double queue_s,
+                                    CachePolicy policy) {
   queue_time_->Observe(queue_s);
   if (!result.ok()) {
     RecordRejected(result.status());
@@ -82,10 +166,12 @@ void ServingMetrics::RecordFinished(const StatusOr<GenerationResult>& result, do
   status_->Add({{"code", r.finish == FinishReason::kCancelled ? "CANCELLED" : "OK"}}).Increment();
   prompt_tokens_->Increment(r.prompt_tokens);
   generation_tokens_->Increment(r.completion_tokens);
-  merged_->Increment(static_cast<double>(r.kv.tokens_merged));
-  evicted_->Increment(static_cast<double>(r.kv.tokens_evicted));
+  const prometheus::Labels by_policy = {{"policy", CachePolicyName(policy)}};
+  merged_->Add(by_policy).Increment(static_cast<double>(r.kv.tokens_merged));
+  evicted_->Add(by_policy).Increment(static_cast<double>(r.kv.tokens_evicted));
   if (r.kv.full_equivalent_bytes > 0) {
-    compression_ratio_->Observe(double(r.kv.bytes_kept) / r.kv.full_equivalent_bytes);
+    compression_ratio_->Add(by_policy, CompressionBuckets())
+        .Observe(double(r.kv.bytes_kept) / r.kv.full_equivalent_bytes);
   }
   if (r.completion_tokens > 0) ttft_->Observe(r.ttft_seconds);
   e2e_->Observe(r.total_seconds);

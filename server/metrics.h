@@ -23,14 +23,18 @@ class ServingMetrics {
  public:
   ServingMetrics();
 
-  // A request ended (any outcome): latencies, tokens, KV savings, outcome counters.
-  void RecordFinished(const StatusOr<GenerationResult>& result, double queue_seconds);
+  // A request ended (any outcome): latencies, tokens, KV savings (labelled with the request's
+  // cache policy), outcome counters.
+  void RecordFinished(const StatusOr<GenerationResult>& result, double queue_seconds,
+                      CachePolicy policy);
   // A request was refused before it reached the engine (bad input, full queue, ...).
   void RecordRejected(const Status& status);
   // Time between two streamed pieces of one request.
   void RecordInterToken(double seconds) { inter_token_->Observe(seconds); }
   // Refreshes the gauges from the engine (called before each scrape).
   void UpdateFromEngine(const EngineSnapshot& s);
+  // Refreshes the process metrics from /proc and the cgroup (called before each scrape).
+  void UpdateProcess();
   // Prometheus text exposition format.
   std::string Serialize() const;
 
@@ -44,9 +48,19 @@ class ServingMetrics {
   prometheus::Gauge* kv_reserved_bytes_;
   prometheus::Gauge* kv_budget_bytes_;
   prometheus::Gauge* batch_size_;
-  prometheus::Histogram* compression_ratio_;
-  prometheus::Counter* merged_;
-  prometheus::Counter* evicted_;
+  // By policy ("full", "elastic", "h2o", "streaming_llm"):
+  prometheus::Family<prometheus::Histogram>* compression_ratio_;
+  prometheus::Family<prometheus::Counter>* merged_;
+  prometheus::Family<prometheus::Counter>* evicted_;
+  // The Prometheus client conventions' process_* series, and the container's memory limit.
+  prometheus::Gauge* resident_bytes_;
+  prometheus::Gauge* virtual_bytes_;
+  prometheus::Gauge* open_fds_;
+  prometheus::Gauge* start_time_;
+  prometheus::Counter* cpu_seconds_;
+  prometheus::Gauge* memory_limit_;
+  std::mutex process_mu_;
+  double cpu_seconds_seen_ = 0;  // guarded by process_mu_
   prometheus::Counter* prompt_tokens_;
   prometheus::Counter* generation_tokens_;
   prometheus::Histogram* ttft_;

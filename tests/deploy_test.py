@@ -31,7 +31,7 @@ def read(*parts):
 
 
 # --- metrics the server registers (server/metrics.cc) --------------------------------------
-exported = set(re.findall(r'"(llava_[a-z0-9_]+)"', read("server", "metrics.cc")))
+exported = set(re.findall(r'"((?:llava|process)_[a-z0-9_]+)"', read("server", "metrics.cc")))
 check(len(exported) >= 15, f"found only {len(exported)} metric names in server/metrics.cc")
 GRPC_CODES = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
               "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
@@ -41,7 +41,7 @@ GRPC_CODES = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEED
 
 def check_queries(text, where):
     names = {re.sub(r"_(bucket|sum|count)$", "", m) if m not in exported else m
-             for m in re.findall(r"\bllava_[a-z0-9_]+", text)}
+             for m in re.findall(r"\b(?:llava|process)_[a-z0-9_]+", text)}
     check(names, f"{where}: queries no llava_ metric")
     for n in sorted(names - exported):
         failures.append(f"{where}: queries {n}, which llava-server does not export")

@@ -334,18 +334,37 @@ TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
   ASSERT_TRUE(Stub()->Chat(&ctx, Request("metrics please", 5, true), &resp).ok());
   const std::string http = server_->HttpGet("/metrics");
   ASSERT_EQ(http.rfind("HTTP/1.1 200 OK", 0), 0u) << http.substr(0, 200);
-  for (const char* series :
-       {"llava_num_requests_running", "llava_num_requests_waiting", "llava_kv_cache_usage_ratio",
-        "llava_kv_cache_used_bytes", "llava_kv_cache_full_equivalent_bytes",
-        "llava_kv_cache_budget_bytes", "llava_kv_compression_ratio_bucket",
-        "llava_kv_tokens_merged_total", "llava_kv_tokens_evicted_total",
-        "llava_time_to_first_token_seconds_bucket", "llava_inter_token_latency_seconds_bucket",
-        "llava_e2e_request_latency_seconds_bucket", "llava_request_queue_time_seconds_bucket",
-        "llava_vision_encode_seconds_bucket", "llava_prompt_tokens_total",
-        "llava_generation_tokens_total", "llava_request_success_total{finish_reason=",
-        "llava_request_status_total{code=", "llava_batch_size"}) {
+  for (const char* series : {"llava_num_requests_running",
+                             "llava_num_requests_waiting",
+                             "llava_kv_cache_usage_ratio",
+                             "llava_kv_cache_used_bytes",
+                             "llava_kv_cache_full_equivalent_bytes",
+                             "llava_kv_cache_budget_bytes",
+                             "llava_kv_compression_ratio_bucket{policy=",
+                             "llava_kv_tokens_merged_total{policy=",
+                             "llava_kv_tokens_evicted_total{policy=",
+                             "process_resident_memory_bytes",
+                             "process_cpu_seconds_total",
+                             "process_open_fds",
+                             "process_start_time_seconds",
+                             "llava_memory_limit_bytes",
+                             "llava_time_to_first_token_seconds_bucket",
+                             "llava_inter_token_latency_seconds_bucket",
+                             "llava_e2e_request_latency_seconds_bucket",
+                             "llava_request_queue_time_seconds_bucket",
+                             "llava_vision_encode_seconds_bucket",
+                             "llava_prompt_tokens_total",
+                             "llava_generation_tokens_total",
+                             "llava_request_success_total{finish_reason=",
+                             "llava_request_status_total{code=",
+                             "llava_batch_size"}) {
     EXPECT_NE(http.find(series), std::string::npos) << series;
   }
+  // The request ran under the default policy (Elastic): its savings are counted under it.
+  EXPECT_GE(SeriesValue(http, "llava_kv_compression_ratio_count{policy=\"elastic\"}"), 1) << http;
+  EXPECT_EQ(SeriesValue(http, "llava_kv_compression_ratio_count{policy=\"h2o\"}"), 0);
+  EXPECT_GT(SeriesValue(http, "process_resident_memory_bytes"), 50e6);  // libtorch loaded
+  EXPECT_GE(SeriesValue(http, "process_open_fds"), 3);
   EXPECT_EQ(server_->HttpGet("/healthz").rfind("HTTP/1.1 200 OK", 0), 0u);
   EXPECT_EQ(server_->HttpGet("/nope").rfind("HTTP/1.1 404", 0), 0u);
   // promtool (Debian's prometheus package) validates the exposition format.
