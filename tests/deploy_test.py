@@ -125,8 +125,31 @@ check(ports.get("metrics") == int(config["LLAVA_METRICS_LISTEN"].rsplit(":", 1)[
       "container port metrics differs from LLAVA_METRICS_LISTEN")
 check(pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"]),
       "prometheus.io/port annotation differs from the metrics port")
-check(pod["spec"]["terminationGracePeriodSeconds"] > float(config["LLAVA_SHUTDOWN_GRACE_SECONDS"]),
-      "terminationGracePeriodSeconds must exceed LLAVA_SHUTDOWN_GRACE_SECONDS")
+pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+check(pre_stop[:1] == ["sleep"], "container has no preStop sleep (endpoints update before SIGTERM)")
+pre_stop_s = float(pre_stop[1]) if len(pre_stop) > 1 else 0
+check(pod["spec"]["terminationGracePeriodSeconds"] >
+      pre_stop_s + float(config["LLAVA_SHUTDOWN_GRACE_SECONDS"]),
+      "terminationGracePeriodSeconds must exceed the preStop sleep + LLAVA_SHUTDOWN_GRACE_SECONDS")
+# Pod Security "restricted" and least privilege.
+check(pod["spec"].get("automountServiceAccountToken") is False,
+      "the pod mounts a service-account token it never uses")
+check(pod["spec"].get("securityContext", {}).get("seccompProfile", {}).get("type") == "RuntimeDefault",
+      "the pod has no RuntimeDefault seccompProfile (Pod Security restricted)")
+sc = container.get("securityContext", {})
+check(sc.get("allowPrivilegeEscalation") is False and sc.get("readOnlyRootFilesystem") is True
+      and sc.get("capabilities", {}).get("drop") == ["ALL"],
+      "container securityContext: no privilege escalation, read-only root, all capabilities dropped")
+spread = pod["spec"].get("topologySpreadConstraints", [])
+check(any(c["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+          for c in spread), "no topology spread over the server's pods")
+for np in docs.get("NetworkPolicy", []):
+    check(np["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(),
+          f"NetworkPolicy {np['metadata']['name']} selects no llava-server pod")
+    for rule in np["spec"].get("ingress", []):
+        for p in rule.get("ports", []):
+            check(p["port"] in ports, f"NetworkPolicy {np['metadata']['name']}: unknown port {p['port']}")
+check("NetworkPolicy" in docs, "no NetworkPolicy")
 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
     p = container.get(probe)
     check(p is not None, f"container has no {probe}")
