@@ -26,6 +26,9 @@ PACKAGES=(
 )
 # Debian's npm, unless a nodejs that bundles its own (NodeSource's) is installed already.
 command -v npm > /dev/null 2>&1 || PACKAGES+=(npm)
+# kubectl (`kubectl kustomize`: the tests check the rendered overlays): Debian's, unless one is
+# installed already (e.g. the Google Cloud SDK's).
+command -v kubectl > /dev/null 2>&1 || PACKAGES+=(kubernetes-client)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

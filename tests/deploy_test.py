@@ -87,82 +87,109 @@ for p in dash["panels"]:
 check_queries("\n".join(exprs), "llava-dashboard.json")
 check(any("llava_kv_cache_budget_bytes" in e for e in exprs), "dashboard does not show the KV budget")
 
-# --- Kubernetes -------------------------------------------------------------------------------
+# --- Kubernetes: every overlay as kubectl renders it ----------------------------------------
 K8S = os.path.join(DEPLOY, "kubernetes")
-docs = {}
-for name in sorted(os.listdir(K8S)):
-    if not name.endswith(".yaml"):
-        continue
-    with open(os.path.join(K8S, name)) as f:
-        for d in yaml.safe_load_all(f):
-            check(d and "apiVersion" in d and "kind" in d, f"{name}: document without apiVersion/kind")
-            if d and d.get("kind") != "Kustomization":
-                check("name" in d.get("metadata", {}), f"{name}: {d.get('kind')} without a name")
-            if d:
-                docs.setdefault(d["kind"], []).append(d)
-kust = docs["Kustomization"][0]
-for res in kust["resources"]:
-    check(os.path.exists(os.path.join(K8S, res)), f"kustomization lists missing {res}")
-
 flags = subprocess.run([SERVER, "--help"], capture_output=True, text=True).stdout
-config = docs["ConfigMap"][0]["data"]
-for key, value in config.items():
-    check(key.startswith("LLAVA_"), f"ConfigMap key {key} is not an LLAVA_ setting")
-    flag = "--" + key[len("LLAVA_"):].lower().replace("_", "-")
-    check(re.search(re.escape(flag) + r"\b", flags) is not None,
-          f"ConfigMap key {key}: llava-server has no flag {flag}")
-    check(isinstance(value, str), f"ConfigMap value of {key} must be a string")
 
-deploy = docs["Deployment"][0]
-pod = deploy["spec"]["template"]
-check(deploy["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(),
-      "Deployment selector does not match the pod labels")
-container = pod["spec"]["containers"][0]
-ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-check(ports.get("grpc") == int(config["LLAVA_LISTEN"].rsplit(":", 1)[1]),
-      "container port grpc differs from LLAVA_LISTEN")
-check(ports.get("metrics") == int(config["LLAVA_METRICS_LISTEN"].rsplit(":", 1)[1]),
-      "container port metrics differs from LLAVA_METRICS_LISTEN")
-check(pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"]),
-      "prometheus.io/port annotation differs from the metrics port")
-pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
-check(pre_stop[:1] == ["sleep"], "container has no preStop sleep (endpoints update before SIGTERM)")
-pre_stop_s = float(pre_stop[1]) if len(pre_stop) > 1 else 0
-check(pod["spec"]["terminationGracePeriodSeconds"] >
-      pre_stop_s + float(config["LLAVA_SHUTDOWN_GRACE_SECONDS"]),
-      "terminationGracePeriodSeconds must exceed the preStop sleep + LLAVA_SHUTDOWN_GRACE_SECONDS")
-# Pod Security "restricted" and least privilege.
-check(pod["spec"].get("automountServiceAccountToken") is False,
-      "the pod mounts a service-account token it never uses")
-check(pod["spec"].get("securityContext", {}).get("seccompProfile", {}).get("type") == "RuntimeDefault",
-      "the pod has no RuntimeDefault seccompProfile (Pod Security restricted)")
-sc = container.get("securityContext", {})
-check(sc.get("allowPrivilegeEscalation") is False and sc.get("readOnlyRootFilesystem") is True
-      and sc.get("capabilities", {}).get("drop") == ["ALL"],
-      "container securityContext: no privilege escalation, read-only root, all capabilities dropped")
-spread = pod["spec"].get("topologySpreadConstraints", [])
-check(any(c["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-          for c in spread), "no topology spread over the server's pods")
-for np in docs.get("NetworkPolicy", []):
-    check(np["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(),
-          f"NetworkPolicy {np['metadata']['name']} selects no llava-server pod")
-    for rule in np["spec"].get("ingress", []):
-        for p in rule.get("ports", []):
-            check(p["port"] in ports, f"NetworkPolicy {np['metadata']['name']}: unknown port {p['port']}")
-check("NetworkPolicy" in docs, "no NetworkPolicy")
-for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-    p = container.get(probe)
-    check(p is not None, f"container has no {probe}")
-    if p and "grpc" in p:
-        check(p["grpc"]["port"] in ports.values(), f"{probe} uses a port the container lacks")
-    if p and "httpGet" in p:
-        check(p["httpGet"]["port"] in ports, f"{probe} uses a port name the container lacks")
-        check(p["httpGet"]["path"] == "/healthz", f"{probe} should probe /healthz")
-for svc in docs["Service"]:
-    check(svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items(),
-          f"Service {svc['metadata']['name']} selects no llava-server pod")
-    for p in svc["spec"]["ports"]:
-        check(p["targetPort"] in ports, f"Service {svc['metadata']['name']}: unknown targetPort")
+
+def render(overlay):
+    r = subprocess.run(["kubectl", "kustomize", os.path.join(K8S, "overlays", overlay)],
+                       capture_output=True, text=True)
+    check(r.returncode == 0, f"kubectl kustomize overlays/{overlay} failed: {r.stderr}")
+    docs = {}
+    for d in yaml.safe_load_all(r.stdout) if r.returncode == 0 else []:
+        if not d:
+            continue
+        check("apiVersion" in d and "kind" in d and "name" in d.get("metadata", {}),
+              f"{overlay}: an object without apiVersion, kind or name")
+        check(d.get("metadata", {}).get("namespace", "llava") == "llava" or d["kind"] == "Namespace",
+              f"{overlay}: {d['kind']} {d['metadata'].get('name')} outside the llava namespace")
+        docs.setdefault(d["kind"], []).append(d)
+    return docs
+
+
+def check_overlay(overlay, docs):
+    config = docs["ConfigMap"][0]["data"]
+    for key, value in config.items():
+        check(key.startswith("LLAVA_"), f"{overlay}: ConfigMap key {key} is not an LLAVA_ setting")
+        flag = "--" + key[len("LLAVA_"):].lower().replace("_", "-")
+        check(re.search(re.escape(flag) + r"\b", flags) is not None,
+              f"{overlay}: ConfigMap key {key}: llava-server has no flag {flag}")
+        check(isinstance(value, str), f"{overlay}: ConfigMap value of {key} must be a string")
+
+    deploy = docs["Deployment"][0]
+    pod = deploy["spec"]["template"]
+    check(deploy["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(),
+          "Deployment selector does not match the pod labels")
+    container = pod["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    check(ports.get("grpc") == int(config["LLAVA_LISTEN"].rsplit(":", 1)[1]),
+          "container port grpc differs from LLAVA_LISTEN")
+    check(ports.get("metrics") == int(config["LLAVA_METRICS_LISTEN"].rsplit(":", 1)[1]),
+          "container port metrics differs from LLAVA_METRICS_LISTEN")
+    check(pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"]),
+          "prometheus.io/port annotation differs from the metrics port")
+    pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    check(pre_stop[:1] == ["sleep"], "container has no preStop sleep (endpoints update before SIGTERM)")
+    pre_stop_s = float(pre_stop[1]) if len(pre_stop) > 1 else 0
+    check(pod["spec"]["terminationGracePeriodSeconds"] >
+          pre_stop_s + float(config["LLAVA_SHUTDOWN_GRACE_SECONDS"]),
+          "terminationGracePeriodSeconds must exceed the preStop sleep + LLAVA_SHUTDOWN_GRACE_SECONDS")
+    # Pod Security "restricted" and least privilege.
+    check(pod["spec"].get("automountServiceAccountToken") is False,
+          "the pod mounts a service-account token it never uses")
+    check(pod["spec"].get("securityContext", {}).get("seccompProfile", {}).get("type") == "RuntimeDefault",
+          "the pod has no RuntimeDefault seccompProfile (Pod Security restricted)")
+    sc = container.get("securityContext", {})
+    check(sc.get("allowPrivilegeEscalation") is False and sc.get("readOnlyRootFilesystem") is True
+          and sc.get("capabilities", {}).get("drop") == ["ALL"],
+          "container securityContext: no privilege escalation, read-only root, all capabilities dropped")
+    spread = pod["spec"].get("topologySpreadConstraints", [])
+    check(any(c["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+              for c in spread), "no topology spread over the server's pods")
+    for np in docs.get("NetworkPolicy", []):
+        check(np["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(),
+              f"{overlay}: NetworkPolicy {np['metadata']['name']} selects no llava-server pod")
+        for rule in np["spec"].get("ingress", []):
+            for p in rule.get("ports", []):
+                check(p["port"] in ports, f"{overlay}: NetworkPolicy {np['metadata']['name']}: unknown port {p['port']}")
+    check("NetworkPolicy" in docs, "no NetworkPolicy")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        p = container.get(probe)
+        check(p is not None, f"{overlay}: container has no {probe}")
+        if p and "grpc" in p:
+            check(p["grpc"]["port"] in ports.values(), f"{overlay}: {probe} uses a port the container lacks")
+        if p and "httpGet" in p:
+            check(p["httpGet"]["port"] in ports, f"{overlay}: {probe} uses a port name the container lacks")
+            check(p["httpGet"]["path"] == "/healthz", f"{overlay}: {probe} should probe /healthz")
+    for svc in docs["Service"]:
+        check(svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items(),
+              f"{overlay}: Service {svc['metadata']['name']} selects no llava-server pod")
+        for p in svc["spec"]["ports"]:
+            check(p["targetPort"] in ports, f"{overlay}: Service {svc['metadata']['name']}: unknown targetPort")
+    return ports, config
+
+
+overlays = sorted(os.listdir(os.path.join(K8S, "overlays")))
+check({"cpu", "operator"} <= set(overlays), f"overlays: {overlays} lacks cpu or operator")
+rendered = {o: render(o) for o in overlays}
+for overlay, docs in rendered.items():
+    ports, config = check_overlay(overlay, docs)
+    image = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["image"]
+    check("/" in image.split(":")[0], f"{overlay}: image {image} names no registry")
+operator = rendered.get("operator", {})
+check("PodMonitor" in operator and "PrometheusRule" in operator,
+      "overlays/operator renders no PodMonitor or PrometheusRule")
+for pm in operator.get("PodMonitor", []):
+    pod_labels = operator["Deployment"][0]["spec"]["template"]["metadata"]["labels"]
+    check(pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items(),
+          "PodMonitor selects no llava-server pod")
+    for e in pm["spec"]["podMetricsEndpoints"]:
+        check(e["port"] in ports, f"PodMonitor scrapes unknown port {e['port']}")
+for pr in operator.get("PrometheusRule", []):
+    check(pr["spec"]["groups"] == rules["groups"],
+          "overlays/operator/prometheusrule.yaml differs from deploy/prometheus/alerts.yml")
+docs = operator
 dockerfile = read("Dockerfile")
 # Flags on the command line win over LLAVA_* variables: the image must not pass any.
 check(not re.search(r"^(CMD|ENTRYPOINT)[^\n]*--", dockerfile, re.M),

@@ -1,9 +1,11 @@
-// Validates every object in deploy/kubernetes against the Kubernetes API's OpenAPI schemas
-// (kubernetes-models; the PodMonitor against the Prometheus Operator's CRD schema): types,
-// enums, formats and required fields. Unknown fields are not caught (the schemas allow them);
-// tests/deploy_test.py checks the names that matter. Kustomize's own file has no schema.
-// Then it breaks one field on purpose and checks that the validator notices.
+// Validates every object of every overlay in deploy/kubernetes/overlays, as `kubectl kustomize`
+// renders it, against the Kubernetes API's OpenAPI schemas (kubernetes-models; the PodMonitor
+// and PrometheusRule against the Prometheus Operator's CRD schemas): types, enums, formats and
+// required fields. Unknown fields are not caught (the schemas allow them); tests/deploy_test.py
+// checks the names that matter. Then it breaks one field on purpose and checks that the
+// validator notices.
 //   node tests/deploy_schema/validate.mjs deploy/kubernetes
+import { execFileSync } from 'child_process';
 import fs from 'fs';
 import path from 'path';
 import YAML from 'yaml';
@@ -18,12 +20,14 @@ async function modelFor(apiVersion, kind) {
 
 const dir = process.argv[2];
 let failures = 0, checked = 0, deployment = null;
-for (const file of fs.readdirSync(dir).filter((f) => f.endsWith('.yaml')).sort()) {
-  for (const doc of YAML.parseAllDocuments(fs.readFileSync(path.join(dir, file), 'utf8'))) {
+const overlays = fs.readdirSync(path.join(dir, 'overlays')).sort();
+for (const overlay of overlays) {
+  const rendered = execFileSync('kubectl', ['kustomize', path.join(dir, 'overlays', overlay)],
+                                { encoding: 'utf8' });
+  for (const doc of YAML.parseAllDocuments(rendered)) {
     const obj = doc.toJSON();
     if (!obj) continue;
-    const what = `${file}: ${obj.apiVersion} ${obj.kind} ${obj.metadata?.name ?? ''}`;
-    if (obj.apiVersion === 'kustomize.config.k8s.io/v1beta1') continue;
+    const what = `${overlay}: ${obj.apiVersion} ${obj.kind} ${obj.metadata?.name ?? ''}`;
     try {
       const Model = await modelFor(obj.apiVersion, obj.kind);
       new Model(obj).validate();
