@@ -173,13 +173,32 @@ def check_overlay(overlay, docs):
 overlays = sorted(os.listdir(os.path.join(K8S, "overlays")))
 check({"cpu", "operator"} <= set(overlays), f"overlays: {overlays} lacks cpu or operator")
 rendered = {o: render(o) for o in overlays}
+check("keda" in overlays, "no overlays/keda")
 for overlay, docs in rendered.items():
     ports, config = check_overlay(overlay, docs)
+    deployment = docs["Deployment"][0]["metadata"]["name"]
     image = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["image"]
     check("/" in image.split(":")[0], f"{overlay}: image {image} names no registry")
+    # Exactly one autoscaler, aimed at the Deployment.
+    hpas, scaled = docs.get("HorizontalPodAutoscaler", []), docs.get("ScaledObject", [])
+    check(len(hpas) + len(scaled) == 1,
+          f"{overlay}: {len(hpas)} HorizontalPodAutoscalers and {len(scaled)} ScaledObjects")
+    for h in hpas:
+        check(h["spec"]["scaleTargetRef"]["name"] == deployment, f"{overlay}: HPA aims elsewhere")
+    for so in scaled:
+        check(so["spec"]["scaleTargetRef"]["name"] == deployment,
+              f"{overlay}: ScaledObject aims elsewhere")
+        kinds = [t["type"] for t in so["spec"]["triggers"]]
+        check("prometheus" in kinds and "cpu" in kinds,
+              f"{overlay}: ScaledObject needs Prometheus triggers and the CPU fallback")
+        for t in so["spec"]["triggers"]:
+            if t["type"] == "prometheus":
+                check_queries(t["metadata"]["query"], f"{overlay}: ScaledObject")
+                check(float(t["metadata"]["threshold"]) > 0, f"{overlay}: ScaledObject threshold")
 operator = rendered.get("operator", {})
-check("PodMonitor" in operator and "PrometheusRule" in operator,
-      "overlays/operator renders no PodMonitor or PrometheusRule")
+for name in ("operator", "keda"):
+    check("PodMonitor" in rendered.get(name, {}) and "PrometheusRule" in rendered.get(name, {}),
+          f"overlays/{name} renders no PodMonitor or PrometheusRule")
 for pm in operator.get("PodMonitor", []):
     pod_labels = operator["Deployment"][0]["spec"]["template"]["metadata"]["labels"]
     check(pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items(),
@@ -188,7 +207,7 @@ for pm in operator.get("PodMonitor", []):
         check(e["port"] in ports, f"PodMonitor scrapes unknown port {e['port']}")
 for pr in operator.get("PrometheusRule", []):
     check(pr["spec"]["groups"] == rules["groups"],
-          "overlays/operator/prometheusrule.yaml differs from deploy/prometheus/alerts.yml")
+          "deploy/kubernetes/monitoring/prometheusrule.yaml differs from deploy/prometheus/alerts.yml")
 docs = operator
 dockerfile = read("Dockerfile")
 # Flags on the command line win over LLAVA_* variables: the image must not pass any.
