@@ -14,6 +14,7 @@
 #include <optional>
 #include <sstream>
 
+#include "client/channel.h"
 #include "llava/v1/llava.grpc.pb.h"
 
 namespace {
@@ -134,7 +135,7 @@ int main(int argc, char** argv) {
   Options o;
   std::vector<std::string> images;
   std::string question;
-  app.add_option("--server", o.server, "host:port")->capture_default_str();
+  app.add_option("--server", o.server, llava::client::kTargetHelp)->capture_default_str();
   // One file per --image (repeatable): a vector option would otherwise swallow the question.
   app.add_option("--image", images, "image file (repeatable); attached to the first turn")
       ->allow_extra_args(false);
@@ -158,8 +159,7 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", o.timeout_s, "seconds per answer")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  auto stub = llava::v1::LlavaService::NewStub(
-      grpc::CreateChannel(o.server, grpc::InsecureChannelCredentials()));
+  auto stub = llava::v1::LlavaService::NewStub(llava::client::MakeChannel(o.server));
   ChatRequest conversation;
   if (!o.system.empty()) {
     Message* m = conversation.add_messages();

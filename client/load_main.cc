@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "client/channel.h"
 #include "llava/v1/llava.grpc.pb.h"
 
 namespace {
@@ -35,7 +36,7 @@ int main(int argc, char** argv) {
   int concurrency = 8, requests = 32, max_tokens = 64, min_tokens = 0;
   double budget = -1, temperature = 0;
   bool ignore_eos = false;
-  app.add_option("--server", server)->capture_default_str();
+  app.add_option("--server", server, llava::client::kTargetHelp)->capture_default_str();
   app.add_option("--concurrency", concurrency, "parallel streams")->capture_default_str();
   app.add_option("--requests", requests, "requests in all")->capture_default_str();
   app.add_option("--prompt", prompt)->capture_default_str();
@@ -81,7 +82,7 @@ int main(int argc, char** argv) {
   }
   if (budget > 0) base.mutable_kv_cache()->set_budget(budget);
 
-  auto channel = grpc::CreateChannel(server, grpc::InsecureChannelCredentials());
+  auto channel = llava::client::MakeChannel(server);
   std::atomic<int> next{0};
   std::mutex mu;
   std::vector<double> ttft, itl, e2e;

@@ -10,6 +10,7 @@
 #include <opencv2/imgproc.hpp>
 #include <thread>
 
+#include "client/channel.h"
 #include "engine/kernels/cpu_features.h"
 #include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
@@ -373,6 +374,36 @@ TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
   ::llava::testing::WriteFile(path, body);
   ASSERT_EQ(std::system("command -v promtool > /dev/null"), 0) << "promtool is not installed";
   EXPECT_EQ(std::system(("promtool check metrics < '" + path + "'").c_str()), 0) << body;
+}
+
+// Scale-out that works for gRPC: one client channel over two servers spreads its requests
+// between them (client/channel.h: round_robin over every address of the target), where a
+// plain channel would send them all to one.
+TEST(ServerScaleOut, RoundRobinSpreadsRequestsOverEveryAddress) {
+  const std::vector<std::string> args = {
+      "--model", ::llava::testing::TestData() + "/tiny-new", "--dtype", "f32", "--threads", "1"};
+  testing::ServerProcess a(LLAVA_SERVER_BINARY, args, ::testing::TempDir() + "/llava-rr-a.log");
+  testing::ServerProcess b(LLAVA_SERVER_BINARY, args, ::testing::TempDir() + "/llava-rr-b.log");
+  ASSERT_GT(a.port(), 0) << a.Log();
+  ASSERT_GT(b.port(), 0) << b.Log();
+  auto stub =
+      v1::LlavaService::NewStub(client::MakeChannel("ipv4:" + a.address() + "," + b.address()));
+  auto chat = [&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 30s);
+    v1::ChatResponse resp;
+    return stub->Chat(&ctx, Request("hello there", 3, false), &resp).ok();
+  };
+  auto served = [](const testing::ServerProcess& s) {
+    return SeriesValue(s.HttpGet("/metrics"), "llava_request_status_total{code=\"OK\"}");
+  };
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(chat());  // both connections come up
+  const double a0 = served(a), b0 = served(b);
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(chat());
+  const double on_a = served(a) - a0, on_b = served(b) - b0;
+  EXPECT_EQ(on_a + on_b, 8);
+  EXPECT_GE(on_a, 3) << "requests on a: " << on_a << ", on b: " << on_b;
+  EXPECT_GE(on_b, 3) << "requests on a: " << on_a << ", on b: " << on_b;
 }
 
 TEST(ServerLifecycle, QueueOverflowAndSigtermDrain) {
