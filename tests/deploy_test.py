@@ -109,7 +109,7 @@ def render(overlay):
 
 
 def check_overlay(overlay, docs):
-    config = docs["ConfigMap"][0]["data"]
+    config = next(c for c in docs["ConfigMap"] if c["metadata"]["name"] == "llava-server")["data"]
     for key, value in config.items():
         check(key.startswith("LLAVA_"), f"{overlay}: ConfigMap key {key} is not an LLAVA_ setting")
         flag = "--" + key[len("LLAVA_"):].lower().replace("_", "-")
@@ -207,7 +207,13 @@ for pm in operator.get("PodMonitor", []):
         check(e["port"] in ports, f"PodMonitor scrapes unknown port {e['port']}")
 for pr in operator.get("PrometheusRule", []):
     check(pr["spec"]["groups"] == rules["groups"],
-          "deploy/kubernetes/monitoring/prometheusrule.yaml differs from deploy/prometheus/alerts.yml")
+          "deploy/kubernetes/monitoring/prometheusrule.yaml differs from deploy/prometheus/alerts.yml (scripts/sync_deploy.py)")
+for name in ("operator", "keda"):
+    boards = [c for c in rendered.get(name, {}).get("ConfigMap", [])
+              if c["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    check(len(boards) == 1 and json.loads(boards[0]["data"]["llava-dashboard.json"]) == dash,
+          f"overlays/{name}: no dashboard ConfigMap for Grafana's sidecar equal to "
+          "deploy/grafana/llava-dashboard.json (scripts/sync_deploy.py)")
 docs = operator
 dockerfile = read("Dockerfile")
 # Flags on the command line win over LLAVA_* variables: the image must not pass any.
