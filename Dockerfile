@@ -2,7 +2,7 @@
 FROM debian:12 AS build
 WORKDIR /src
 COPY scripts/install-deps.sh scripts/install-deps.sh
-RUN bash scripts/install-deps.sh
+RUN bash scripts/install-deps.sh --build-only
 COPY . .
 RUN cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD_TESTS=OFF -DLLAVA_BUILD_BENCH=OFF \
       -DLLAVA_BUILD_DEV_TOOLS=OFF -DLLAVA_BUILD_TRAIN=OFF \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything the build, the tests and `make serve` need on a fresh Debian 12.
 # Idempotent: packages already present are skipped by apt-get; safe to run repeatedly.
-# usage: install-deps.sh [--tests]
+# usage: install-deps.sh [--tests | --build-only]
+#   --build-only: only what building the service needs (the Docker image's build stage)
 set -euo pipefail
 
 PACKAGES=(
@@ -14,7 +15,9 @@ PACKAGES=(
   # API / server / metrics
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev
-  # tests and benchmarks
+)
+# Tests, benchmarks, the trainer and the developer tools.
+DEV_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   sentencepiece                       # spm_train / spm_encode, run as separate processes only
   clang-format
@@ -25,10 +28,11 @@ PACKAGES=(
   qemu-user                           # the kernels on an emulated AVX2-only CPU (-cpu Haswell)
 )
 # Debian's npm, unless a nodejs that bundles its own (NodeSource's) is installed already.
-command -v npm > /dev/null 2>&1 || PACKAGES+=(npm)
+command -v npm > /dev/null 2>&1 || DEV_PACKAGES+=(npm)
 # kubectl (`kubectl kustomize`: the tests check the rendered overlays): Debian's, unless one is
 # installed already (e.g. the Google Cloud SDK's).
-command -v kubectl > /dev/null 2>&1 || PACKAGES+=(kubernetes-client)
+command -v kubectl > /dev/null 2>&1 || DEV_PACKAGES+=(kubernetes-client)
+[ "${1:-}" = "--build-only" ] || PACKAGES+=("${DEV_PACKAGES[@]}")
 
 missing=()
 for p in "${PACKAGES[@]}"; do
