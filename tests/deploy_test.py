@@ -179,6 +179,12 @@ for overlay, docs in rendered.items():
     deployment = docs["Deployment"][0]["metadata"]["name"]
     image = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["image"]
     check("/" in image.split(":")[0], f"{overlay}: image {image} names no registry")
+    # Memory: the limit holds at least the KV budget (the weights come on top, deploy/README.md).
+    res = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    gib = {"Gi": 1.0, "Mi": 1 / 1024}
+    limit = float(res["limits"]["memory"][:-2]) * gib[res["limits"]["memory"][-2:]]
+    check(limit > float(config.get("LLAVA_KV_CACHE_GIB", "0")),
+          f"{overlay}: memory limit {res['limits']['memory']} below the KV budget")
     # Exactly one autoscaler, aimed at the Deployment.
     hpas, scaled = docs.get("HorizontalPodAutoscaler", []), docs.get("ScaledObject", [])
     check(len(hpas) + len(scaled) == 1,
