@@ -6,7 +6,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 SOURCES := $(shell git ls-files '*.h' '*.cc' 2>/dev/null)
 
-.PHONY: all deps build build-cuda test serve generate bench train train-layouts eval-default ship-model test-sanitize format check-format clean
+.PHONY: all deps build build-cuda test image serve generate bench train train-layouts eval-default ship-model test-sanitize format check-format clean
 
 all: build
 
@@ -25,6 +25,11 @@ test: build
 # One intra-op thread: with the 5 M-parameter default model a second OpenMP thread only
 # contends with the gRPC threads (2.5x slower single stream on 2 cores, docs/BENCHMARKS.md).
 # Use --threads 0 (one per core) for a real LLaVA checkpoint.
+# The Docker image built without a Docker daemon (buildah, a debootstrapped debian:12 base), then
+# run from its own root filesystem and asked one question. Root; ~13 min (scripts/build-image.sh).
+image:
+	bash scripts/build-image.sh
+
 serve: build
 	./$(BUILD)/llava-server --listen 0.0.0.0:50051 --metrics-listen 0.0.0.0:9090 --threads 1
 
