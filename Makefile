@@ -26,7 +26,7 @@ test: build
 # contends with the gRPC threads (2.5x slower single stream on 2 cores, docs/BENCHMARKS.md).
 # Use --threads 0 (one per core) for a real LLaVA checkpoint.
 # The Docker image built without a Docker daemon (buildah, a debootstrapped debian:12 base), then
-# run from its own root filesystem and asked one question. Root; ~13 min (scripts/build-image.sh).
+# run from its own root filesystem and asked one question. Root; ~7 min (scripts/build-image.sh).
 image:
 	bash scripts/build-image.sh
 
