@@ -31,7 +31,8 @@ image:
 	bash scripts/build-image.sh
 
 serve: build
-	./$(BUILD)/llava-server --listen 0.0.0.0:50051 --metrics-listen 0.0.0.0:9090 --threads 1
+	./$(BUILD)/llava-server --listen 0.0.0.0:50051 --http-listen 0.0.0.0:8000 \
+	  --metrics-listen 0.0.0.0:9090 --threads 1
 
 # The offline generator on a bundled example image (no server needed).
 generate: build

@@ -76,6 +76,7 @@ while IFS= read -r kv; do env_args+=("$kv"); done < <(
   "${BUILDAH[@]}" inspect --type image --format '{{range .OCIv1.Config.Env}}{{println .}}{{end}}' "$TAG" | sed '/^$/d')
 port=$((20000 + RANDOM % 20000))
 env -i "${env_args[@]}" LLAVA_LISTEN="127.0.0.1:$port" LLAVA_METRICS_LISTEN="127.0.0.1:$((port + 1))" \
+  LLAVA_HTTP_LISTEN="127.0.0.1:$((port + 2))" \
   chroot --userspec=65532:65532 "$mnt" llava-server > "$WORK/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 120); do
@@ -87,4 +88,8 @@ answer=$(chroot "$mnt" llava-chat --server "127.0.0.1:$port" \
   --image /opt/llava/examples/scene1.png "How many objects are there?" 2>&1)
 echo "$answer"
 case "$answer" in *FINISH_REASON_STOP*|*FINISH_REASON_LENGTH*) ;; *) log "no answer"; exit 1 ;; esac
+# The OpenAI-compatible API of the same server (curl from the host: same network namespace).
+models=$(curl -sf "http://127.0.0.1:$((port + 2))/v1/models") || { log "no /v1/models"; exit 1; }
+echo "$models"
+case "$models" in *'"object":"list"'*) ;; *) log "unexpected /v1/models"; exit 1 ;; esac
 log "the image's server answered"

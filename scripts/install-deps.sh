@@ -15,6 +15,7 @@ PACKAGES=(
   # API / server / metrics
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev
+  libcpp-httplib-dev                  # the OpenAI-compatible HTTP API and /metrics
 )
 # Tests, benchmarks, the trainer and the developer tools.
 DEV_PACKAGES=(
@@ -49,15 +50,18 @@ else
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# With --tests (make test): also the npm packages of tests/deploy_schema (versions pinned by
-# its package-lock.json), from the npm registry, once. The service itself needs none.
+# With --tests (make test): also the npm packages of tests/deploy_schema and
+# tests/openai_client (versions pinned by their package-lock.json), from the npm registry, once.
+# The service itself needs none.
 [ "${1:-}" = "--tests" ] || exit 0
-schema_dir="$(cd "$(dirname "$0")/.." && pwd)/tests/deploy_schema"
-if [ ! -d "$schema_dir/node_modules/kubernetes-models" ]; then
-  echo "install-deps: npm ci in tests/deploy_schema"
+tests_dir="$(cd "$(dirname "$0")/.." && pwd)/tests"
+for pkg in deploy_schema/node_modules/kubernetes-models openai_client/node_modules/openai; do
+  dir="$tests_dir/${pkg%%/node_modules/*}"
+  [ -d "$tests_dir/$pkg" ] && continue
+  echo "install-deps: npm ci in tests/${dir##*/}"
   for attempt in 1 2 3; do
-    npm ci --prefix "$schema_dir" --no-audit --no-fund --loglevel=error && break
+    npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error && break
     [ "$attempt" -eq 3 ] && exit 1
     sleep 5
   done
-fi
+done

@@ -6,14 +6,9 @@
 
 #include "engine/serving/generator.h"
 #include "llava/v1/llava.pb.h"
+#include "server/request_gate.h"
 
 namespace llava::server {
-
-// Server-side defaults for fields the client leaves unset.
-struct RequestDefaults {
-  int max_tokens = 256;
-  CacheParams kv;  // policy and budget used when kv_cache.policy / budget are unset
-};
 
 StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
                                                 const RequestDefaults& defaults);

@@ -1,18 +1,23 @@
-// The service's plain HTTP endpoint: GET /metrics (Prometheus text) and GET /healthz (the
-// Kubernetes probes). prometheus-cpp's own exposer (civetweb) cannot start its threads in a
-// libtorch + OpenBLAS process (DESIGN.md section 6), hence this small server on one thread.
+// The service's metrics endpoint: GET /metrics (Prometheus text) and GET /healthz (the
+// Kubernetes probes), served by cpp-httplib on a few threads of its own, so a slow or idle
+// client cannot hold the probe. prometheus-cpp's own exposer (civetweb) cannot start its threads
+// in a libtorch + OpenBLAS process (DESIGN.md section 6); httplib's are std::threads with the
+// default stack size, which can.
 //
-// Thread safety: Start and Stop from one thread; the callbacks run on the endpoint's thread.
+// Thread safety: Start and Stop from one thread; the callbacks run on the endpoint's threads.
 #pragma once
 
-#include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 
+namespace httplib {
+class Server;
+}
+
 namespace llava::server {
 
-// GET /metrics (Prometheus text) and GET /healthz on a plain TCP port, one thread.
 class MetricsHttpServer {
  public:
   // `metrics` is called per scrape and returns the body; `healthy` for /healthz.
@@ -23,12 +28,14 @@ class MetricsHttpServer {
   void Stop();
 
  private:
-  void Serve();
   std::function<std::string()> metrics_;
   std::function<bool()> healthy_;
-  int fd_ = -1;
-  std::atomic<bool> stop_{false};
+  std::unique_ptr<httplib::Server> http_;
   std::thread thread_;
 };
+
+// Binds `http` to "host:port" ("" host = all interfaces, port 0 = ephemeral) and runs its
+// listener on `thread`; returns the bound port, or -1 (then `thread` is not started).
+int StartHttpServer(httplib::Server* http, const std::string& address, std::thread* thread);
 
 }  // namespace llava::server

@@ -1,7 +1,5 @@
 #include "server/llava_service.h"
 
-#include <spdlog/spdlog.h>
-
 #include <deque>
 #include <mutex>
 
@@ -21,35 +19,6 @@ std::optional<std::chrono::steady_clock::time_point> EngineDeadline(
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
 }
 
-void LogRequest(const RequestLog& log, const StatusOr<GenerationResult>& result, double queue_s) {
-  if (!result.ok()) {
-    spdlog::warn("request id={} status={}", log.id, result.status().ToString());
-    return;
-  }
-  const GenerationResult& r = *result;
-  const double saved = r.kv.full_equivalent_bytes > 0
-                           ? 1.0 - double(r.kv.bytes_kept) / r.kv.full_equivalent_bytes
-                           : 0.0;
-  spdlog::info(
-      "request id={} finish={} prompt_tokens={} image_tokens={} completion_tokens={} policy={} "
-      "budget={:.2f} kv_bytes={} kv_full_bytes={} kv_saved={:.1f}% queue_s={:.3f} ttft_s={:.3f} "
-      "total_s={:.3f}",
-      log.id, FinishReasonName(r.finish), r.prompt_tokens, r.image_tokens, r.completion_tokens,
-      CachePolicyName(log.policy), log.budget, r.kv.bytes_kept, r.kv.full_equivalent_bytes,
-      100 * saved, queue_s, r.ttft_seconds, r.total_seconds);
-}
-
-// Measures the time between consecutive pieces of text of one request (engine thread).
-struct InterTokenClock {
-  std::optional<std::chrono::steady_clock::time_point> last;
-  void Tick(ServingMetrics* metrics) {
-    const auto now = std::chrono::steady_clock::now();
-    if (last && metrics)
-      metrics->RecordInterToken(std::chrono::duration<double>(now - *last).count());
-    last = now;
-  }
-};
-
 // Unary Chat: collects the answer, finishes the call when the engine is done.
 class ChatReactor final : public grpc::ServerUnaryReactor {
  public:
@@ -67,7 +36,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     started_ = true;
   }
   void OnCancel() override {
-    if (started_) service_->engine()->Cancel(engine_id_);
+    if (started_) service_->gate()->Cancel(engine_id_);
   }
   void OnDone() override { delete this; }
 
@@ -131,7 +100,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
     Pump(std::move(lock));
   }
   void OnCancel() override {
-    if (started_) service_->engine()->Cancel(engine_id_);
+    if (started_) service_->gate()->Cancel(engine_id_);
   }
   void OnDone() override { delete this; }
 
@@ -233,32 +202,19 @@ ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std:
   return f;
 }
 
-LlavaServiceImpl::LlavaServiceImpl(EngineApi* engine, ServiceConfig config)
-    : engine_(engine), config_(std::move(config)) {}
+LlavaServiceImpl::LlavaServiceImpl(RequestGate* gate, ServiceConfig config)
+    : gate_(gate), config_(std::move(config)) {}
 
 Status LlavaServiceImpl::Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
                                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
                                RequestLog* log) {
-  Status s = Submit(context, request, std::move(observer), engine_id, log);
-  if (!s.ok()) {
-    spdlog::warn("request rejected: {}", s.ToString());
-    if (config_.metrics != nullptr) config_.metrics->RecordRejected(s);
+  StatusOr<GenerationRequest> converted = ToGenerationRequest(request, config_.defaults);
+  if (!converted.ok()) {
+    gate_->Refused(converted.status(), "grpc");
+    return converted.status();
   }
-  return s;
-}
-
-Status LlavaServiceImpl::Submit(grpc::CallbackServerContext* context,
-                                const v1::ChatRequest& request,
-                                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
-                                RequestLog* log) {
-  LLAVA_ASSIGN_OR_RETURN(GenerationRequest converted,
-                         ToGenerationRequest(request, config_.defaults));
-  *engine_id = next_id_.fetch_add(1);
-  log->id =
-      request.request_id().empty() ? "req-" + std::to_string(*engine_id) : request.request_id();
-  log->policy = converted.kv_cache.policy;
-  log->budget = converted.kv_cache.budget;
-  return engine_->Submit(*engine_id, converted, std::move(observer), EngineDeadline(context));
+  return gate_->Submit(*converted, request.request_id(), "grpc", EngineDeadline(context),
+                       std::move(observer), engine_id, log);
 }
 
 grpc::ServerUnaryReactor* LlavaServiceImpl::Chat(grpc::CallbackServerContext* context,

@@ -10,6 +10,7 @@
 #include "llava/v1/llava.grpc.pb.h"
 #include "server/convert.h"
 #include "server/metrics.h"
+#include "server/request_gate.h"
 
 namespace llava::server {
 
@@ -22,26 +23,17 @@ struct ModelFacts {
 };
 ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std::string& dtype);
 
-// What a call keeps of its request for the log line at the end: the converted request itself
-// (image bytes included) is handed to the engine and not kept by the call.
-struct RequestLog {
-  std::string id;  // the client's request_id, or "req-<engine id>"
-  CachePolicy policy = CachePolicy::kFull;
-  double budget = 1.0;
-};
-
 struct ServiceConfig {
   RequestDefaults defaults;
   ModelFacts model;
   int max_tokens_limit = 4096;
   int64_t kv_cache_bytes = 0;
-  ServingMetrics* metrics = nullptr;  // not owned; may be null
 };
 
 class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
  public:
-  // Borrows `engine`, which must outlive the service.
-  LlavaServiceImpl(EngineApi* engine, ServiceConfig config);
+  // Borrows `gate`, which must outlive the service.
+  LlavaServiceImpl(RequestGate* gate, ServiceConfig config);
 
   grpc::ServerUnaryReactor* Chat(grpc::CallbackServerContext* context,
                                  const v1::ChatRequest* request,
@@ -52,22 +44,17 @@ class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
 
-  // Converts and submits; on error nothing was submitted, and the refusal is logged and
-  // counted. Fills the engine id and, before the engine can call `observer`, the request's log
-  // facts (its id included). Thread-safe.
+  // Converts and submits through the gate (request_gate.h); on error nothing was submitted.
+  // Thread-safe.
   Status Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id, RequestLog* log);
 
-  EngineApi* engine() { return engine_; }
-  ServingMetrics* metrics() { return config_.metrics; }
+  RequestGate* gate() { return gate_; }
+  ServingMetrics* metrics() { return gate_->metrics(); }
 
  private:
-  Status Submit(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
-                std::shared_ptr<RequestObserver> observer, uint64_t* engine_id, RequestLog* log);
-
-  EngineApi* engine_;
+  RequestGate* gate_;
   ServiceConfig config_;
-  std::atomic<uint64_t> next_id_{1};
 };
 
 }  // namespace llava::server

@@ -18,6 +18,7 @@
 #include "engine/serving/engine.h"
 #include "server/http_endpoint.h"
 #include "server/llava_service.h"
+#include "server/openai_server.h"
 
 namespace {
 
@@ -29,7 +30,9 @@ void OnSignal(int sig) { g_signal = sig; }
 int main(int argc, char** argv) {
   CLI::App app{"llava-server: multimodal chat over gRPC with per-request KV-cache policies"};
   std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, listen = "0.0.0.0:50051";
-  std::string metrics_listen = "0.0.0.0:9090";
+  std::string metrics_listen = "0.0.0.0:9090", http_listen = "0.0.0.0:8000", served_model_name;
+  int64_t http_max_body_bytes = 0;
+  int http_threads = 0;
   std::string dtype = "auto", device = "cpu", policy = "elastic";
   double budget = 0.5, kv_gib = 4.0, grace_s = 30;
   int threads = 0, max_batch = 8, max_queue = 64, default_max_tokens = 256, prefill_chunk = 256;
@@ -43,6 +46,23 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-listen", metrics_listen, "HTTP address of /metrics and /healthz")
       ->envname(env("METRICS_LISTEN"))
       ->capture_default_str();
+  app.add_option("--http-listen", http_listen,
+                 "address of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models); "
+                 "'off' disables it")
+      ->envname(env("HTTP_LISTEN"))
+      ->capture_default_str();
+  app.add_option("--http-max-body-bytes", http_max_body_bytes,
+                 "largest HTTP request body (then 413); 0 = what --max-images images of "
+                 "--max-image-bytes take in base64, plus 1 MiB")
+      ->envname(env("HTTP_MAX_BODY_BYTES"))
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--http-threads", http_threads,
+                 "HTTP connections served at once (0 = --max-batch + --max-queue + 4)")
+      ->envname(env("HTTP_THREADS"))
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--served-model-name", served_model_name,
+                 "the model id of the HTTP API (default: the model folder's name)")
+      ->envname(env("SERVED_MODEL_NAME"));
   int64_t kv_bytes = 0;
   auto* gib_opt = app.add_option("--kv-cache-gib", kv_gib, "KV byte budget for admission, GiB")
                       ->envname(env("KV_CACHE_GIB"))
@@ -153,8 +173,8 @@ int main(int argc, char** argv) {
   sc.defaults.max_tokens = default_max_tokens;
   sc.defaults.kv = *parsed_policy;
   llava::server::ServingMetrics metrics;
-  sc.metrics = &metrics;
-  llava::server::LlavaServiceImpl service(&engine, sc);
+  llava::server::RequestGate gate(&engine, &metrics);
+  llava::server::LlavaServiceImpl service(&gate, sc);
   std::atomic<bool> serving{false};
   llava::server::MetricsHttpServer http(
       [&] {
@@ -167,6 +187,32 @@ int main(int argc, char** argv) {
   if (metrics_port < 0) {
     spdlog::error("cannot listen on --metrics-listen {}", metrics_listen);
     return 1;
+  }
+
+  // The OpenAI-compatible API: on by default, since most clients (SDKs, chat UIs, evaluation
+  // harnesses, the Gateway API Inference Extension) speak it; it serves the same engine with the
+  // same limits, and is no more exposed than the gRPC port.
+  std::unique_ptr<llava::server::OpenAiServer> openai;
+  if (http_listen != "off" && !http_listen.empty()) {
+    llava::server::OpenAiServerConfig oc;
+    oc.defaults = sc.defaults;
+    oc.model_id = served_model_name;
+    if (oc.model_id.empty()) {
+      std::string dir = model_dir;
+      while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+      oc.model_id = dir.substr(dir.find_last_of('/') + 1);
+    }
+    oc.max_body_bytes = http_max_body_bytes > 0
+                            ? static_cast<size_t>(http_max_body_bytes)
+                            : static_cast<size_t>(max_image_bytes * max_images / 3 * 4 + (1 << 20));
+    oc.threads = http_threads > 0 ? http_threads : max_batch + max_queue + 4;
+    openai = std::make_unique<llava::server::OpenAiServer>(&gate, oc);
+    const int http_port = openai->Start(http_listen);
+    if (http_port < 0) {
+      spdlog::error("cannot listen on --http-listen {}", http_listen);
+      return 1;
+    }
+    spdlog::info("OpenAI-compatible API on port {} (model id '{}')", http_port, oc.model_id);
   }
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -201,6 +247,7 @@ int main(int argc, char** argv) {
   std::thread drain([&] { engine.Shutdown(grace); });
   server->Shutdown(std::chrono::system_clock::now() + grace + std::chrono::seconds(2));
   drain.join();
+  if (openai) openai->Stop();
   spdlog::info("stopped");
   return 0;
 }

@@ -127,6 +127,8 @@ def check_overlay(overlay, docs):
           "container port grpc differs from LLAVA_LISTEN")
     check(ports.get("metrics") == int(config["LLAVA_METRICS_LISTEN"].rsplit(":", 1)[1]),
           "container port metrics differs from LLAVA_METRICS_LISTEN")
+    check(ports.get("http") == int(config["LLAVA_HTTP_LISTEN"].rsplit(":", 1)[1]),
+          "container port http differs from LLAVA_HTTP_LISTEN")
     check(pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"]),
           "prometheus.io/port annotation differs from the metrics port")
     pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])

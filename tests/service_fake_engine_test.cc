@@ -89,7 +89,7 @@ class FakeEngineServiceTest : public ::testing::Test {
     config.model.context_length = 4096;
     config.model.kv_bytes_per_token = 524288;
     config.kv_cache_bytes = 1 << 30;
-    service_ = std::make_unique<LlavaServiceImpl>(&engine_, config);
+    service_ = std::make_unique<LlavaServiceImpl>(&gate_, config);
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -114,6 +114,7 @@ class FakeEngineServiceTest : public ::testing::Test {
   }
 
   ScriptedEngine engine_;
+  RequestGate gate_{&engine_, nullptr};
   std::unique_ptr<LlavaServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::LlavaService::Stub> stub_;

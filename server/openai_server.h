@@ -1,0 +1,51 @@
+// The OpenAI-compatible HTTP API beside gRPC, on a port of its own:
+//   POST /v1/chat/completions  (JSON, or server-sent events with "stream": true)
+//   GET  /v1/models, GET /v1/models/{id}
+// served by cpp-httplib (Debian's libcpp-httplib-dev) on a pool of worker threads, one per open
+// connection. Requests go through the same RequestGate as the gRPC API (request_gate.h): same
+// engine, limits, metrics and log lines. The wire format lives in openai_api.h.
+//
+// A client that disconnects cancels its request (the engine frees its cache on its next turn):
+// the worker watches its connection for a hang-up while it waits for the engine.
+//
+// Thread safety: Start and Stop from one thread; handlers run on the pool's threads.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "server/request_gate.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace llava::server {
+
+struct OpenAiServerConfig {
+  RequestDefaults defaults;
+  std::string model_id;              // the served model's id in /v1/models and responses
+  size_t max_body_bytes = 64 << 20;  // larger bodies: 413
+  int threads = 32;                  // worker threads = connections served at once
+};
+
+class OpenAiServer {
+ public:
+  // Borrows `gate`, which must outlive the server.
+  OpenAiServer(RequestGate* gate, OpenAiServerConfig config);
+  ~OpenAiServer();  // Stop()
+  // Binds "host:port" (port 0 = ephemeral) and starts serving; returns the bound port or -1.
+  int Start(const std::string& address);
+  // Stops accepting and joins the listener; open streams end with their connections.
+  void Stop();
+
+ private:
+  RequestGate* gate_;
+  OpenAiServerConfig config_;
+  int64_t created_;  // Unix seconds at construction: /v1/models' "created"
+  std::unique_ptr<httplib::Server> http_;
+  std::thread thread_;
+};
+
+}  // namespace llava::server
