@@ -1,7 +1,10 @@
 // llava-load: a closed-loop load generator for llava-server. `--concurrency` workers each send
 // streaming chat requests back to back until `--requests` have completed; prints throughput
-// and latency percentiles, and ends with one `key=value` summary line for scripts.
+// and latency percentiles, and ends with one `key=value` summary line for scripts. Over gRPC
+// (ChatStream) by default, or over the OpenAI-compatible HTTP API (`--http URL`: server-sent
+// events), the same requests either way.
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -10,6 +13,7 @@
 #include <cstdio>
 #include <fstream>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
 
@@ -27,6 +31,142 @@ double Percentile(std::vector<double> v, double p) {
   return v[i];
 }
 
+// One streamed request as the client saw it.
+struct Sample {
+  std::string error;  // empty on success
+  double first = -1;  // seconds to the first text
+  std::vector<double> gaps;
+  double total = 0;
+  int64_t chunks = 0, completion_tokens = 0, kv_used = 0, kv_full = 0;
+};
+
+// Times a stream: call Text() for each piece of text as it arrives.
+struct StreamClock {
+  Clock::time_point t0 = Clock::now(), prev = t0;
+  void Text(Sample* s) {
+    const Clock::time_point now = Clock::now();
+    ++s->chunks;
+    if (s->first < 0) {
+      s->first = std::chrono::duration<double>(now - t0).count();
+    } else {
+      s->gaps.push_back(std::chrono::duration<double>(now - prev).count());
+    }
+    prev = now;
+  }
+  void End(Sample* s) const { s->total = std::chrono::duration<double>(Clock::now() - t0).count(); }
+};
+
+Sample GrpcStream(llava::v1::LlavaService::Stub* stub, const llava::v1::ChatRequest& req) {
+  Sample s;
+  StreamClock clock;
+  grpc::ClientContext ctx;
+  auto reader = stub->ChatStream(&ctx, req);
+  llava::v1::ChatChunk chunk, last;
+  while (reader->Read(&chunk)) {
+    if (!chunk.text_delta().empty()) clock.Text(&s);
+    last = chunk;
+  }
+  const grpc::Status status = reader->Finish();
+  clock.End(&s);
+  if (!status.ok()) {
+    s.error = std::to_string(status.error_code()) + " " + status.error_message();
+    return s;
+  }
+  s.completion_tokens = last.usage().completion_tokens();
+  s.kv_used = last.usage().kv_bytes_used();
+  s.kv_full = last.usage().kv_bytes_full();
+  return s;
+}
+
+// POST /v1/chat/completions with "stream": true; reads the server-sent events as they come.
+Sample HttpStream(httplib::Client* client, const std::string& body) {
+  Sample s;
+  StreamClock clock;
+  std::string pending;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.body = body;
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    pending.append(data, n);
+    for (size_t end = pending.find("\n\n"); end != std::string::npos; end = pending.find("\n\n")) {
+      const std::string event = pending.substr(0, end);
+      pending.erase(0, end + 2);
+      if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
+      const auto j = nlohmann::json::parse(event.substr(6), nullptr, false);
+      if (j.is_discarded()) continue;
+      if (j.contains("error")) s.error = j["error"].value("message", "error event");
+      if (j.contains("usage") && j["usage"].is_object()) {
+        s.completion_tokens = j["usage"].value("completion_tokens", int64_t{0});
+        s.kv_used = j["usage"].value("kv_bytes_used", int64_t{0});
+        s.kv_full = j["usage"].value("kv_bytes_full", int64_t{0});
+      }
+      if (j.contains("choices") && !j["choices"].empty()) {
+        const auto& delta = j["choices"][0]["delta"];
+        if (delta.contains("content") && delta["content"].is_string() &&
+            !delta["content"].get<std::string>().empty()) {
+          clock.Text(&s);
+        }
+      }
+    }
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  const bool sent = client->send(req, res, err);
+  clock.End(&s);
+  if (!sent) {
+    s.error = "HTTP " + httplib::to_string(err);
+  } else if (res.status != 200) {
+    s.error = "HTTP " + std::to_string(res.status) + " " + pending;
+  }
+  return s;
+}
+
+// The gRPC request as the OpenAI API's JSON (images as data URIs, the cache as the kv_cache
+// extension), so both transports carry the same work.
+std::string ToOpenAiJson(const llava::v1::ChatRequest& r, const std::string& policy) {
+  static const char* kB64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  auto base64 = [](const std::string& in) {
+    std::string out;
+    uint32_t acc = 0;
+    int bits = 0;
+    for (unsigned char c : in) {
+      acc = (acc << 8) | c;
+      bits += 8;
+      while (bits >= 6) out.push_back(kB64[(acc >> (bits -= 6)) & 63]);
+    }
+    if (bits > 0) out.push_back(kB64[(acc << (6 - bits)) & 63]);
+    while (out.size() % 4) out.push_back('=');
+    return out;
+  };
+  nlohmann::json parts = nlohmann::json::array();
+  for (const auto& part : r.messages(0).content()) {
+    if (part.has_image()) {
+      const std::string& d = part.image().data();
+      const char* mime = d.rfind("\x89PNG", 0) == 0    ? "image/png"
+                         : d.rfind("\xFF\xD8", 0) == 0 ? "image/jpeg"
+                         : d.rfind("BM", 0) == 0       ? "image/bmp"
+                                                       : "image/webp";
+      parts.push_back(
+          {{"type", "image_url"},
+           {"image_url", {{"url", std::string("data:") + mime + ";base64," + base64(d)}}}});
+    } else {
+      parts.push_back({{"type", "text"}, {"text", part.text()}});
+    }
+  }
+  nlohmann::json j = {{"messages", {{{"role", "user"}, {"content", parts}}}},
+                      {"max_tokens", r.sampling().max_tokens()},
+                      {"temperature", r.sampling().temperature()},
+                      {"ignore_eos", r.sampling().ignore_eos()},
+                      {"stream", true},
+                      {"stream_options", {{"include_usage", true}}}};
+  if (!policy.empty()) j["kv_cache"]["policy"] = policy;
+  if (r.kv_cache().has_budget()) j["kv_cache"]["budget"] = r.kv_cache().budget();
+  return j.dump();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -36,7 +176,11 @@ int main(int argc, char** argv) {
   int concurrency = 8, requests = 32, max_tokens = 64, min_tokens = 0;
   double budget = -1, temperature = 0;
   bool ignore_eos = false;
+  std::string http;
   app.add_option("--server", server, llava::client::kTargetHelp)->capture_default_str();
+  app.add_option("--http", http,
+                 "use the OpenAI-compatible HTTP API at this base URL instead of gRPC (e.g. "
+                 "http://127.0.0.1:8000)");
   app.add_option("--concurrency", concurrency, "parallel streams")->capture_default_str();
   app.add_option("--requests", requests, "requests in all")->capture_default_str();
   app.add_option("--prompt", prompt)->capture_default_str();
@@ -94,8 +238,14 @@ int main(int argc, char** argv) {
   for (int w = 0; w < concurrency; ++w) {
     workers.emplace_back([&, w] {
       auto stub = llava::v1::LlavaService::NewStub(channel);
+      std::unique_ptr<httplib::Client> client;
+      if (!http.empty()) {
+        client = std::make_unique<httplib::Client>(http);
+        client->set_read_timeout(600, 0);
+        client->set_keep_alive(true);
+        client->set_tcp_nodelay(true);  // headers and body go out as two writes
+      }
       for (int i = next.fetch_add(1); i < requests; i = next.fetch_add(1)) {
-        grpc::ClientContext ctx;
         llava::v1::ChatRequest req = base;
         if (min_tokens > 0 && min_tokens < max_tokens) {
           // Request i's share of the range: a stride coprime with most spans spreads lengths.
@@ -104,42 +254,21 @@ int main(int argc, char** argv) {
               min_tokens + static_cast<int>((static_cast<int64_t>(i) * 7919) % span));
         }
         req.set_request_id("load-" + std::to_string(w));
-        const Clock::time_point t0 = Clock::now();
-        auto reader = stub->ChatStream(&ctx, req);
-        llava::v1::ChatChunk chunk, last;
-        std::vector<double> gaps;
-        int64_t chunks = 0;
-        double first = -1;
-        Clock::time_point prev = t0;
-        while (reader->Read(&chunk)) {
-          const Clock::time_point now = Clock::now();
-          if (!chunk.text_delta().empty()) {
-            ++chunks;
-            if (first < 0) {
-              first = std::chrono::duration<double>(now - t0).count();
-            } else {
-              gaps.push_back(std::chrono::duration<double>(now - prev).count());
-            }
-            prev = now;
-          }
-          last = chunk;
-        }
-        const grpc::Status s = reader->Finish();
-        const double total = std::chrono::duration<double>(Clock::now() - t0).count();
+        const Sample s = client ? HttpStream(client.get(), ToOpenAiJson(req, policy))
+                                : GrpcStream(stub.get(), req);
         std::lock_guard<std::mutex> lock(mu);
-        if (!s.ok()) {
+        if (!s.error.empty()) {
           ++errors;
-          std::fprintf(stderr, "request failed: %d %s\n", s.error_code(),
-                       s.error_message().c_str());
+          std::fprintf(stderr, "request failed: %s\n", s.error.c_str());
           continue;
         }
-        if (first >= 0) ttft.push_back(first);
-        itl.insert(itl.end(), gaps.begin(), gaps.end());
-        e2e.push_back(total);
-        tokens += last.usage().completion_tokens();
-        text_chunks += chunks;
-        kv_used += last.usage().kv_bytes_used();
-        kv_full += last.usage().kv_bytes_full();
+        if (s.first >= 0) ttft.push_back(s.first);
+        itl.insert(itl.end(), s.gaps.begin(), s.gaps.end());
+        e2e.push_back(s.total);
+        tokens += s.completion_tokens;
+        text_chunks += s.chunks;
+        kv_used += s.kv_used;
+        kv_full += s.kv_full;
       }
     });
   }

@@ -52,7 +52,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     }
     void OnFinished(const StatusOr<GenerationResult>& result) override {
       LogRequest(log, result, queue_seconds);
-      if (metrics) metrics->RecordFinished(result, queue_seconds, log.policy);
+      if (metrics) metrics->RecordFinished(result, queue_seconds, log.policy, log.api);
       if (!result.ok()) {
         reactor->Finish(ToGrpcStatus(result.status()));  // the reactor may be gone after this
         return;
@@ -117,7 +117,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
     }
     void OnFinished(const StatusOr<GenerationResult>& result) override {
       LogRequest(log, result, queue_seconds);
-      if (metrics) metrics->RecordFinished(result, queue_seconds, log.policy);
+      if (metrics) metrics->RecordFinished(result, queue_seconds, log.policy, log.api);
       if (!result.ok()) {
         reactor->Enqueue(std::nullopt, ToGrpcStatus(result.status()));
         return;

@@ -105,11 +105,12 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
                    .Register(*registry_);
   status_ = &BuildCounter()
                  .Name("llava_request_status_total")
-                 .Help("Requests by final gRPC status code.")
+                 .Help("Requests by final status code (gRPC's names; the OpenAI API's HTTP "
+                       "statuses map to them) and API (grpc, openai).")
                  .Register(*registry_);
   for (const char* r : {"stop", "length", "cancelled", "error"})
     finished_->Add({{"finish_reason", r}});
-  status_->Add({{"code", "OK"}});
+  for (const char* api : {"grpc", "openai"}) status_->Add({{"code", "OK"}, {"api", api}});
 
   resident_bytes_ = gauge("process_resident_memory_bytes", "Resident memory size in bytes.");
   virtual_bytes_ = gauge("process_virtual_memory_bytes", "Virtual memory size in bytes.");
@@ -154,16 +155,17 @@ void ServingMetrics::UpdateProcess() {
 }
 
 void ServingMetrics::RecordFinished(const StatusOr<GenerationResult>& result, double queue_s,
-                                    CachePolicy policy) {
+                                    CachePolicy policy, const std::string& api) {
   queue_time_->Observe(queue_s);
   if (!result.ok()) {
-    RecordRejected(result.status());
+    RecordRejected(result.status(), api);
     finished_->Add({{"finish_reason", "error"}}).Increment();
     return;
   }
   const GenerationResult& r = *result;
   finished_->Add({{"finish_reason", FinishReasonName(r.finish)}}).Increment();
-  status_->Add({{"code", r.finish == FinishReason::kCancelled ? "CANCELLED" : "OK"}}).Increment();
+  status_->Add({{"code", r.finish == FinishReason::kCancelled ? "CANCELLED" : "OK"}, {"api", api}})
+      .Increment();
   prompt_tokens_->Increment(r.prompt_tokens);
   generation_tokens_->Increment(r.completion_tokens);
   const prometheus::Labels by_policy = {{"policy", CachePolicyName(policy)}};
@@ -178,8 +180,8 @@ void ServingMetrics::RecordFinished(const StatusOr<GenerationResult>& result, do
   if (r.vision_seconds > 0) vision_->Observe(r.vision_seconds);
 }
 
-void ServingMetrics::RecordRejected(const Status& status) {
-  status_->Add({{"code", StatusCodeName(status.code())}}).Increment();
+void ServingMetrics::RecordRejected(const Status& status, const std::string& api) {
+  status_->Add({{"code", StatusCodeName(status.code())}, {"api", api}}).Increment();
 }
 
 void ServingMetrics::UpdateFromEngine(const EngineSnapshot& s) {

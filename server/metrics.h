@@ -24,11 +24,11 @@ class ServingMetrics {
   ServingMetrics();
 
   // A request ended (any outcome): latencies, tokens, KV savings (labelled with the request's
-  // cache policy), outcome counters.
+  // cache policy), outcome counters (labelled with the API it came by: "grpc", "openai").
   void RecordFinished(const StatusOr<GenerationResult>& result, double queue_seconds,
-                      CachePolicy policy);
+                      CachePolicy policy, const std::string& api);
   // A request was refused before it reached the engine (bad input, full queue, ...).
-  void RecordRejected(const Status& status);
+  void RecordRejected(const Status& status, const std::string& api);
   // Time between two streamed pieces of one request.
   void RecordInterToken(double seconds) { inter_token_->Observe(seconds); }
   // Refreshes the gauges from the engine (called before each scrape).
@@ -69,7 +69,7 @@ class ServingMetrics {
   prometheus::Histogram* queue_time_;
   prometheus::Histogram* vision_;
   prometheus::Family<prometheus::Counter>* finished_;  // by finish_reason
-  prometheus::Family<prometheus::Counter>* status_;    // by gRPC status code
+  prometheus::Family<prometheus::Counter>* status_;    // by gRPC status code and API
 };
 
 }  // namespace llava::server

@@ -83,7 +83,7 @@ struct HttpCall : RequestObserver {
       q = queue_seconds;
     }
     LogRequest(log, r, q);
-    if (metrics) metrics->RecordFinished(r, q, log.policy);
+    if (metrics) metrics->RecordFinished(r, q, log.policy, log.api);
     std::lock_guard<std::mutex> l(mu);
     result = r;
     cv.notify_all();

@@ -46,7 +46,7 @@ Status RequestGate::Submit(const GenerationRequest& request, const std::string& 
 
 void RequestGate::Refused(const Status& status, const std::string& api) {
   spdlog::warn("request rejected: api={} {}", api, status.ToString());
-  if (metrics_ != nullptr) metrics_->RecordRejected(status);
+  if (metrics_ != nullptr) metrics_->RecordRejected(status, api);
 }
 
 }  // namespace llava::server

@@ -86,6 +86,7 @@ try:
     procs.append(subprocess.Popen(
         [os.path.join(BUILD, "llava-server"), "--model", os.path.join(SRC, "models/shapes-llava"),
          "--listen", f"127.0.0.1:{grpc_port}", "--metrics-listen", f"127.0.0.1:{metrics_port}",
+         "--http-listen", "127.0.0.1:0",
          "--threads", "1"], stdout=log, stderr=log))
     wait_for("llava-server", lambda: "ok" in get(f"http://127.0.0.1:{metrics_port}/healthz"), 120)
 

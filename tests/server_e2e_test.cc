@@ -324,7 +324,7 @@ TEST_F(ServerTest, CancellationAndDeadline) {
   const double cancelled =
       SeriesValue(metrics, "llava_request_success_total{finish_reason=\"cancelled\"}");
   const double expired =
-      SeriesValue(metrics, "llava_request_status_total{code=\"DEADLINE_EXCEEDED\"}");
+      SeriesValue(metrics, "llava_request_status_total{api=\"grpc\",code=\"DEADLINE_EXCEEDED\"}");
   EXPECT_GE(cancelled, 1) << metrics;
   EXPECT_EQ(cancelled + expired, 2) << metrics;
 }
@@ -357,7 +357,7 @@ TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
                              "llava_prompt_tokens_total",
                              "llava_generation_tokens_total",
                              "llava_request_success_total{finish_reason=",
-                             "llava_request_status_total{code=",
+                             "llava_request_status_total{api=",
                              "llava_batch_size"}) {
     EXPECT_NE(http.find(series), std::string::npos) << series;
   }
@@ -395,7 +395,8 @@ TEST(ServerScaleOut, RoundRobinSpreadsRequestsOverEveryAddress) {
     return stub->Chat(&ctx, Request("hello there", 3, false), &resp).ok();
   };
   auto served = [](const testing::ServerProcess& s) {
-    return SeriesValue(s.HttpGet("/metrics"), "llava_request_status_total{code=\"OK\"}");
+    return SeriesValue(s.HttpGet("/metrics"),
+                       "llava_request_status_total{api=\"grpc\",code=\"OK\"}");
   };
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(chat());  // both connections come up
   const double a0 = served(a), b0 = served(b);

@@ -21,13 +21,15 @@ namespace llava::testing {
 
 class ServerProcess {
  public:
-  // Starts `binary` with `args` plus --listen 127.0.0.1:0; waits until it serves.
+  // Starts `binary` with `args` plus ephemeral ports for every listener; waits until it serves.
   ServerProcess(const std::string& binary, std::vector<std::string> args, const std::string& log)
       : log_(log) {
     args.insert(args.begin(), binary);
     args.push_back("--listen");
     args.push_back("127.0.0.1:0");
     args.push_back("--metrics-listen");
+    args.push_back("127.0.0.1:0");
+    args.push_back("--http-listen");
     args.push_back("127.0.0.1:0");
     std::ofstream(log, std::ios::trunc).close();  // no stale "serving on port" line
     pid_ = fork();

@@ -9,6 +9,7 @@
 // usage: node test.mjs SOURCE_DIR BIN_DIR
 import { spawn, execFileSync } from "node:child_process";
 import { readFileSync } from "node:fs";
+import net from "node:net";
 import assert from "node:assert/strict";
 import OpenAI from "openai";
 
@@ -241,6 +242,27 @@ await check("400 for malformed JSON, 404 for an unknown model or path", async ()
   const missing = await fetch(`${base}/v1/embeddings`, { method: "POST", body: "{}" });
   assert.equal(missing.status, 404);
   assert.ok((await missing.json()).error.message.length > 0);
+});
+
+await check("slow and idle clients do not hold up a request", async () => {
+  // Three connections that send half a request and then nothing, one byte at a time.
+  const slow = [];
+  for (let i = 0; i < 3; ++i) {
+    const sock = net.connect(ports.http, "127.0.0.1");
+    sock.on("error", () => {});
+    sock.write("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{");
+    slow.push(sock);
+  }
+  const timer = setInterval(() => slow.forEach((s) => s.write(" ")), 200);
+  const t0 = Date.now();
+  const r = await client.chat.completions.create({
+    model: "shapes-llava", messages: imageMessage("How many objects are there?"), max_tokens: 8 });
+  clearInterval(timer);
+  slow.forEach((s) => s.destroy());
+  assert.ok(r.choices[0].message.content.length > 0);
+  assert.ok(Date.now() - t0 < 5000, `took ${Date.now() - t0} ms`);
+  const status = await metric(ports.metrics, 'llava_request_status_total{api="openai",code="OK"}');
+  assert.ok(status > 5, `llava_request_status_total{api="openai",code="OK"} = ${status}`);
 });
 
 await check("504 when the request's timeout passes", async () => {
