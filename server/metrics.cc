@@ -105,8 +105,9 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
                    .Register(*registry_);
   status_ = &BuildCounter()
                  .Name("llava_request_status_total")
-                 .Help("Requests by final status code (gRPC's names; the OpenAI API's HTTP "
-                       "statuses map to them) and API (grpc, openai).")
+                 .Help(
+                     "Requests by final status code (gRPC's names; the OpenAI API's HTTP "
+                     "statuses map to them) and API (grpc, openai).")
                  .Register(*registry_);
   for (const char* r : {"stop", "length", "cancelled", "error"})
     finished_->Add({{"finish_reason", r}});
