@@ -237,6 +237,72 @@ ignored = read(".dockerignore").split()
 for path in ("build", ".git", "**/node_modules"):
     check(path in ignored, f".dockerignore does not leave out {path}")
 
+# --- deploy/compose: the local stack -----------------------------------------------------------
+# Docker is not on these machines, so the stack is checked by its wiring: every mounted file
+# exists, Prometheus' config as the container sees it (the mounts laid out in a temporary
+# /etc/prometheus) passes promtool, it scrapes the server's metrics port by its service name,
+# Grafana's data source is that Prometheus and its dashboard provider reads the mounted dashboard,
+# and the server publishes every port the image listens on.
+import shutil
+import tempfile
+
+compose_dir = os.path.join(DEPLOY, "compose")
+compose = yaml.safe_load(read("deploy", "compose", "compose.yaml"))
+services = compose["services"]
+mounts = {}  # container path -> host path, per service
+for name, svc in services.items():
+    mounts[name] = {}
+    for v in svc.get("volumes", []):
+        host, target = v.split(":")[:2]
+        host = os.path.normpath(os.path.join(compose_dir, host))
+        check(os.path.isfile(host), f"compose: {name} mounts {v}, which does not exist")
+        mounts[name][target] = host
+image_env = dict(re.findall(r"(LLAVA_[A-Z_]+)=(\S+)", dockerfile))
+server_svc = services["llava-server"]
+check(os.path.normpath(os.path.join(compose_dir, server_svc["build"]["context"])) == os.path.normpath(SRC),
+      "compose: llava-server is not built from the repository's Dockerfile")
+published = {int(p.split(":")[1]) for p in server_svc["ports"]}
+for key in ("LLAVA_LISTEN", "LLAVA_HTTP_LISTEN", "LLAVA_METRICS_LISTEN"):
+    port = int(image_env.get(key, "x:0").rsplit(":", 1)[1])
+    check(port in published, f"compose: llava-server does not publish {key}'s port {port}")
+for key in server_svc.get("environment", {}):
+    check(key in config, f"compose: llava-server sets {key}, which the ConfigMap (and so the "
+                         "flag check above) does not know")
+prom = services["prometheus"]
+prom_args = dict(a.lstrip("-").split("=", 1) for a in prom["command"])
+prom_listen = int(prom_args["web.listen-address"].rsplit(":", 1)[1])
+with tempfile.TemporaryDirectory() as root:
+    for target, host in mounts["prometheus"].items():
+        dest = os.path.join(root, target.lstrip("/"))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.copy(host, dest)
+    conf_path = os.path.join(root, prom_args["config.file"].lstrip("/"))
+    conf = yaml.safe_load(open(conf_path))
+    # Rule paths are absolute in the container: point them into the temporary root.
+    conf["rule_files"] = [os.path.join(root, f.lstrip("/")) for f in conf["rule_files"]]
+    with open(conf_path, "w") as f:
+        yaml.safe_dump(conf, f)
+    r = subprocess.run(["promtool", "check", "config", conf_path], capture_output=True, text=True)
+    check(r.returncode == 0, "compose: promtool check config failed:\n" + r.stdout + r.stderr)
+targets = [t for job in conf["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+metrics_port = image_env["LLAVA_METRICS_LISTEN"].rsplit(":", 1)[1]
+check(targets == [f"llava-server:{metrics_port}"],
+      f"compose: Prometheus scrapes {targets}, not llava-server:{metrics_port}")
+check(any(re.fullmatch(m, job["job_name"]) for job in conf["scrape_configs"]
+          for m in re.findall(r'up\{job=~"([^"]+)"\}', read("deploy", "prometheus", "alerts.yml"))),
+      "compose: the scrape job's name escapes LlavaServerDown's job selector")
+check(f"{prom_listen}:{prom_listen}" in prom["ports"], "compose: Prometheus' port is not published")
+graf = services["grafana"]
+ds = yaml.safe_load(open(mounts["grafana"]["/etc/grafana/provisioning/datasources/llava.yml"]))
+check(ds["datasources"][0]["url"] == f"http://prometheus:{prom_listen}",
+      f"compose: Grafana's data source is {ds['datasources'][0]['url']}")
+providers = yaml.safe_load(open(next(h for t, h in mounts["grafana"].items()
+                                     if t.startswith("/etc/grafana/provisioning/dashboards/"))))
+dash_dir = providers["providers"][0]["options"]["path"]
+check(any(os.path.dirname(t) == dash_dir and h.endswith("llava-dashboard.json")
+          for t, h in mounts["grafana"].items()),
+      f"compose: no dashboard mounted in {dash_dir}, the folder Grafana's provider reads")
+
 if failures:
     print("\n".join("FAIL: " + f for f in failures))
     sys.exit(1)
