@@ -6,7 +6,7 @@ RUN bash scripts/install-deps.sh --build-only
 COPY . .
 RUN cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD_TESTS=OFF -DLLAVA_BUILD_BENCH=OFF \
       -DLLAVA_BUILD_DEV_TOOLS=OFF -DLLAVA_BUILD_TRAIN=OFF \
-      -DLLAVA_DEFAULT_MODEL_DIR=/opt/llava/models/default \
+      -DLLAVA_DEFAULT_MODEL_DIR=/opt/llava/models/shapes-llava \
  && cmake --build build -j"$(nproc)"
 
 FROM debian:12
@@ -20,7 +20,7 @@ RUN apt-get update -qq \
       libcpp-httplib0.11 \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/build/llava-server /src/build/llava-chat /src/build/llava-generate /usr/local/bin/
-COPY models/shapes-llava /opt/llava/models/default
+COPY models/shapes-llava /opt/llava/models/shapes-llava
 COPY models/examples /opt/llava/examples
 # Unprivileged; deploy/kubernetes runs it as this UID with a read-only root filesystem.
 RUN useradd --system --uid 65532 --no-create-home llava

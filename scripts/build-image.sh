@@ -91,5 +91,5 @@ case "$answer" in *FINISH_REASON_STOP*|*FINISH_REASON_LENGTH*) ;; *) log "no ans
 # The OpenAI-compatible API of the same server (curl from the host: same network namespace).
 models=$(curl -sf "http://127.0.0.1:$((port + 2))/v1/models") || { log "no /v1/models"; exit 1; }
 echo "$models"
-case "$models" in *'"object":"list"'*) ;; *) log "unexpected /v1/models"; exit 1 ;; esac
+case "$models" in *'"id":"shapes-llava"'*) ;; *) log "unexpected /v1/models"; exit 1 ;; esac
 log "the image's server answered"

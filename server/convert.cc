@@ -23,6 +23,14 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
   if (request.request_id().size() > 128) {
     return InvalidArgument("request_id is longer than 128 bytes");
   }
+  // It is written into log lines: a newline or other control byte could forge one.
+  for (size_t i = 0; i < request.request_id().size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(request.request_id()[i]);
+    if (c < 0x20 || c > 0x7e) {
+      return InvalidArgument("request_id must be printable ASCII (byte " + std::to_string(i) +
+                             " is " + std::to_string(c) + ")");
+    }
+  }
   GenerationRequest out;
   for (int i = 0; i < request.messages_size(); ++i) {
     const v1::Message& m = request.messages(i);

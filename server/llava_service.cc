@@ -19,15 +19,27 @@ std::optional<std::chrono::steady_clock::time_point> EngineDeadline(
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
 }
 
+// gRPC cancels a call whose deadline passes; the engine then ends it as "cancelled" unless it
+// noticed the deadline first. Either way the outcome is DEADLINE_EXCEEDED (log, metrics, status).
+bool DeadlinePassed(grpc::CallbackServerContext* context) {
+  return context->deadline() <= std::chrono::system_clock::now();
+}
+StatusOr<GenerationResult> Outcome(const StatusOr<GenerationResult>& result, bool deadline_passed) {
+  if (result.ok() && result->finish == FinishReason::kCancelled && deadline_passed) {
+    return DeadlineExceeded("the deadline passed");
+  }
+  return result;
+}
+
 // Unary Chat: collects the answer, finishes the call when the engine is done.
 class ChatReactor final : public grpc::ServerUnaryReactor {
  public:
   ChatReactor(LlavaServiceImpl* service, grpc::CallbackServerContext* context,
               const v1::ChatRequest* request, v1::ChatResponse* response)
-      : service_(service) {
-    auto observer = std::make_shared<Observer>(this, response);
+      : service_(service), context_(context) {
+    observer_ = std::make_shared<Observer>(this, response);
     uint64_t id = 0;
-    Status s = service->Start(context, *request, observer, &id, &observer->log);
+    Status s = service->Start(context, *request, observer_, &id, &observer_->log);
     if (!s.ok()) {
       Finish(ToGrpcStatus(s));
       return;
@@ -36,6 +48,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     started_ = true;
   }
   void OnCancel() override {
+    observer_->deadline_passed = DeadlinePassed(context_);
     if (started_) service_->gate()->Cancel(engine_id_);
   }
   void OnDone() override { delete this; }
@@ -50,7 +63,8 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
       text += delta;
       gaps.Tick(metrics);
     }
-    void OnFinished(const StatusOr<GenerationResult>& result) override {
+    void OnFinished(const StatusOr<GenerationResult>& engine_result) override {
+      const StatusOr<GenerationResult> result = Outcome(engine_result, deadline_passed);
       LogRequest(log, result, queue_seconds);
       if (metrics) metrics->RecordFinished(result, queue_seconds, log.policy, log.api);
       if (!result.ok()) {
@@ -65,6 +79,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     }
     ChatReactor* reactor;
     v1::ChatResponse* response;
+    std::atomic<bool> deadline_passed{false};
     ServingMetrics* metrics;
     InterTokenClock gaps;
     std::string text;
@@ -73,6 +88,8 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
   };
 
   LlavaServiceImpl* service_;
+  grpc::CallbackServerContext* context_;
+  std::shared_ptr<Observer> observer_;
   uint64_t engine_id_ = 0;
   bool started_ = false;
 };
@@ -82,7 +99,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
  public:
   ChatStreamReactor(LlavaServiceImpl* service, grpc::CallbackServerContext* context,
                     const v1::ChatRequest* request)
-      : service_(service) {
+      : service_(service), context_(context) {
     observer_ = std::make_shared<Observer>(this);
     uint64_t id = 0;
     Status s = service->Start(context, *request, observer_, &id, &observer_->log);
@@ -100,6 +117,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
     Pump(std::move(lock));
   }
   void OnCancel() override {
+    observer_->deadline_passed = DeadlinePassed(context_);
     if (started_) service_->gate()->Cancel(engine_id_);
   }
   void OnDone() override { delete this; }
@@ -115,7 +133,8 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
       chunk.set_text_delta(delta);
       reactor->Enqueue(std::move(chunk), std::nullopt);
     }
-    void OnFinished(const StatusOr<GenerationResult>& result) override {
+    void OnFinished(const StatusOr<GenerationResult>& engine_result) override {
+      const StatusOr<GenerationResult> result = Outcome(engine_result, deadline_passed);
       LogRequest(log, result, queue_seconds);
       if (metrics) metrics->RecordFinished(result, queue_seconds, log.policy, log.api);
       if (!result.ok()) {
@@ -130,6 +149,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
     }
     ChatStreamReactor* reactor;
     ServingMetrics* metrics;
+    std::atomic<bool> deadline_passed{false};
     InterTokenClock gaps;
     RequestLog log;
     double queue_seconds = 0;
@@ -174,6 +194,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
   }
 
   LlavaServiceImpl* service_;
+  grpc::CallbackServerContext* context_;
   std::shared_ptr<Observer> observer_;
   uint64_t engine_id_ = 0;
   bool started_ = false;
@@ -190,7 +211,10 @@ ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std:
   const LlavaConfig& c = model.config();
   const KvLayout layout = model.kv_layout();
   ModelFacts f;
-  f.model_path = path;
+  // The folder's name only: the server's file system layout is none of the client's business.
+  std::string dir = path;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  f.model_path = dir.substr(dir.find_last_of('/') + 1);
   f.dtype = dtype;
   if (model.options().device.rfind("cuda", 0) != 0) f.cpu_path = CpuPathName(ActiveCpuPath());
   f.vocab_size = c.text.vocab_size;

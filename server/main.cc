@@ -196,12 +196,7 @@ int main(int argc, char** argv) {
   if (http_listen != "off" && !http_listen.empty()) {
     llava::server::OpenAiServerConfig oc;
     oc.defaults = sc.defaults;
-    oc.model_id = served_model_name;
-    if (oc.model_id.empty()) {
-      std::string dir = model_dir;
-      while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-      oc.model_id = dir.substr(dir.find_last_of('/') + 1);
-    }
+    oc.model_id = served_model_name.empty() ? sc.model.model_path : served_model_name;
     oc.max_body_bytes = http_max_body_bytes > 0
                             ? static_cast<size_t>(http_max_body_bytes)
                             : static_cast<size_t>(max_image_bytes * max_images / 3 * 4 + (1 << 20));

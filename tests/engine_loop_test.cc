@@ -49,6 +49,8 @@ class EchoRunner final : public ModelRunner {
 
   at::Tensor Forward(const std::vector<SequenceChunk>& chunks) const override {
     std::unique_lock<std::mutex> lock(mu_);
+    ++entered_;
+    gate_.notify_all();
     gate_.wait(lock, [&] { return open_; });
     passes_.emplace_back();
     TORCH_CHECK(static_cast<int>(passes_.size()) != fail_pass_, "scripted failure");
@@ -93,6 +95,11 @@ class EchoRunner final : public ModelRunner {
     open_ = true;
     gate_.notify_all();
   }
+  // Waits until a pass has reached the model (and, if closed, is held there).
+  void WaitForPass() {
+    std::unique_lock<std::mutex> l(mu_);
+    gate_.wait(l, [&] { return entered_ > 0; });
+  }
   void FailPass(int pass) {  // 1-based
     std::lock_guard<std::mutex> l(mu_);
     fail_pass_ = pass;
@@ -115,6 +122,7 @@ class EchoRunner final : public ModelRunner {
   mutable std::condition_variable gate_;
   bool open_ = true;
   int fail_pass_ = 0;
+  mutable int entered_ = 0;  // passes that reached Forward
   mutable std::vector<std::vector<ChunkSeen>> passes_;
   mutable std::map<const KvCache*, Echo> seqs_;
 };
@@ -231,6 +239,35 @@ TEST_F(EngineLoopTest, ChunkedPrefillFeedsEachPromptInOrderWithinTheRowBudget) {
     }
     EXPECT_GT(chunks.size(), 2u);  // prompts of > 8 rows
   }
+}
+
+TEST_F(EngineLoopTest, AFullQueueRefusesBeforeThePreparationWork) {
+  runner_->Close();
+  EngineOptions options;
+  options.max_batch = 1;
+  options.max_queue = 1;
+  Engine engine(*runner_, options);
+  struct OpenAtExit {  // a failed assertion must not leave the engine's pass held
+    EchoRunner* runner;
+    ~OpenAtExit() { runner->Open(); }
+  } open_at_exit{runner_.get()};
+  auto first = std::make_shared<Collector>(), second = std::make_shared<Collector>();
+  ASSERT_TRUE(engine.Submit(1, Text("What shape is it?"), first).ok());
+  runner_->WaitForPass();  // request 1 is running, held in its first pass
+  ASSERT_TRUE(engine.Submit(2, Text("How many?"), second).ok());  // the one waiting place
+  // A request whose preparation would fail: the full queue answers first, so no image is
+  // decoded and no text tokenized for a request that is refused anyway.
+  GenerationRequest bad = Text("What is it?");
+  bad.messages[0].content.insert(bad.messages[0].content.begin(), {Kind::kImage, "", 0});
+  bad.images = {"not an image"};
+  const Status s = engine.Submit(3, bad, std::make_shared<Collector>());
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  runner_->Open();
+  ASSERT_TRUE(first->Wait());
+  ASSERT_TRUE(second->Wait());
+  // With room in the queue, the same request is refused for what it is.
+  EXPECT_EQ(engine.Submit(4, bad, std::make_shared<Collector>()).code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST_F(EngineLoopTest, AFailedPassEndsItsRequestsAndTheEngineServesOn) {

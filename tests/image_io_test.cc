@@ -93,6 +93,22 @@ TEST(ImageIo, DecompressionBombRefusedFromHeader) {
             std::string::npos);
 }
 
+TEST(ImageIo, ElongatedImagesRefusedFromHeader) {
+  // 1 x 16384 passes the pixel and side limits but would be scaled to 336 x 5.5M pixels.
+  std::string png = Encode(Solid(4, 4, cv::Scalar(0, 0, 0)), ".png");
+  const uint32_t width = 1, height = 16384;
+  for (int i = 0; i < 4; ++i) png[16 + i] = static_cast<char>(width >> (24 - 8 * i));
+  for (int i = 0; i < 4; ++i) png[20 + i] = static_cast<char>(height >> (24 - 8 * i));
+  auto r = DecodeImage(png, {}, "img");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("1x16384 pixels is more elongated than the limit of 20:1"),
+            std::string::npos)
+      << r.status().message();
+  // 20:1 itself is accepted.
+  auto ok = DecodeImage(Encode(Solid(100, 5, cv::Scalar(1, 2, 3)), ".png"), {}, "img");
+  EXPECT_TRUE(ok.ok()) << ok.status().ToString();
+}
+
 TEST(ImageIo, PreprocessNormalizesAndCentreCrops) {
   // 96 x 32 image: left third red, middle half-and-half, right third blue. The shorter side is
   // already 32, so no resize: the crop takes columns [32, 64).

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <fstream>
 #include <sstream>
 
@@ -87,6 +88,25 @@ TEST_F(PrepareRequestTest, ErrorsNameTheField) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("kv_cache.budget"), std::string::npos)
       << r.status().message();
+}
+
+TEST_F(PrepareRequestTest, TextThatCannotFitIsRefusedBeforeTokenizing) {
+  // The tiny config's context is 512 tokens: at 32 bytes a token, 16 KiB of text at most.
+  const std::string huge(50 << 20, 'a');  // tokenizing this would take seconds and gigabytes
+  const auto start = std::chrono::steady_clock::now();
+  auto r = PrepareRequest(ImageQuestion(huge), config_, *tok_, EngineLimits(), 8);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("bytes of text cannot fit a prompt of at most 512 tokens"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_LT(seconds, 0.5) << "the text was tokenized before the check";
+  // Just under the byte limit the request is tokenized and the token count decides.
+  r = PrepareRequest(ImageQuestion(std::string(512 * 32 - 32, 'a')), config_, *tok_, EngineLimits(),
+                     8);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message().find("bytes of text"), std::string::npos) << r.status().message();
 }
 
 }  // namespace

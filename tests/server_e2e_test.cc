@@ -129,6 +129,7 @@ TEST_F(ServerTest, ModelInfo) {
   EXPECT_EQ(info.context_length(), 512);
   EXPECT_EQ(info.default_policy(), v1::CACHE_POLICY_ELASTIC);
   EXPECT_EQ(info.max_tokens_limit(), 400);
+  EXPECT_EQ(info.model_path(), "tiny-new") << "the folder's name, not the server's path";
   // The server runs under this process's environment (LLAVA_CPU_PATH included).
   EXPECT_EQ(info.cpu_path(), CpuPathName(ActiveCpuPath()));
   EXPECT_EQ(info.kv_bytes_per_token(), loaded_->model().kv_layout().num_layers *

@@ -114,7 +114,8 @@ class FakeEngineServiceTest : public ::testing::Test {
   }
 
   ScriptedEngine engine_;
-  RequestGate gate_{&engine_, nullptr};
+  ServingMetrics metrics_;
+  RequestGate gate_{&engine_, &metrics_};
   std::unique_ptr<LlavaServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::LlavaService::Stub> stub_;
@@ -237,6 +238,36 @@ TEST_F(FakeEngineServiceTest, ClientCancellationReachesTheEngine) {
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   for (int i = 0; i < 500 && engine_.cancelled.empty(); ++i) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(engine_.cancelled.size(), 1u);
+}
+
+TEST_F(FakeEngineServiceTest, AnExpiredDeadlineCountsAsDeadlineExceeded) {
+  // gRPC cancels the call at its deadline, and the engine ends it as "cancelled": the outcome
+  // is still DEADLINE_EXCEEDED, to the client and in the metrics.
+  engine_.wait_for_cancel = true;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 300ms);
+  v1::ChatResponse resp;
+  EXPECT_EQ(stub_->Chat(&ctx, Request(), &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  for (int i = 0; i < 500 && engine_.cancelled.empty(); ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(engine_.cancelled.size(), 1u);
+  std::this_thread::sleep_for(100ms);  // the observer's OnFinished runs after Cancel
+  const std::string text = metrics_.Serialize();
+  EXPECT_NE(text.find("llava_request_status_total{api=\"grpc\",code=\"DEADLINE_EXCEEDED\"} 1"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("code=\"CANCELLED\"} 1"), std::string::npos) << text;
+}
+
+TEST_F(FakeEngineServiceTest, RequestIdsCannotForgeLogLines) {
+  v1::ChatRequest req = Request();
+  req.set_request_id("abc\n[info] request id=forged finish=stop");
+  grpc::ClientContext ctx;
+  v1::ChatResponse resp;
+  grpc::Status s = stub_->Chat(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("request_id must be printable ASCII (byte 3 is 10)"),
+            std::string::npos)
+      << s.error_message();
 }
 
 TEST_F(FakeEngineServiceTest, ModelInfoReportsFacts) {

@@ -140,6 +140,13 @@ StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limi
                            std::to_string(limits.max_pixels) + " pixels (side " +
                            std::to_string(limits.max_side) + ")");
   }
+  const int long_side = std::max(info.width, info.height);
+  const int short_side = std::min(info.width, info.height);
+  if (int64_t{long_side} > int64_t{limits.max_aspect_ratio} * short_side) {
+    return InvalidArgument(field + ": " + std::to_string(info.width) + "x" +
+                           std::to_string(info.height) + " pixels is more elongated than the " +
+                           "limit of " + std::to_string(limits.max_aspect_ratio) + ":1");
+  }
   cv::Mat decoded;
   try {
     cv::Mat raw(1, static_cast<int>(bytes.size()), CV_8UC1, const_cast<char*>(bytes.data()));

@@ -21,6 +21,9 @@ struct ImageLimits {
   size_t max_encoded_bytes = 20u << 20;  // 20 MiB
   int64_t max_pixels = 40'000'000;       // width * height
   int max_side = 16384;
+  // Longer side / shorter side. Preprocessing scales the shorter side to the vision tower's
+  // input, so a 1 x 16384 image would become a 336 x 5.5M intermediate (7 GB): refused first.
+  int max_aspect_ratio = 20;
 };
 
 struct ImageInfo {

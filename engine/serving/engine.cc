@@ -63,6 +63,17 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
                       std::optional<Clock::time_point> deadline) {
   const Clock::time_point now = Clock::now();
   LLAVA_RETURN_IF_ERROR(ValidateSamplingParams(request.sampling, options_.limits.max_tokens_limit));
+  {
+    // Refuse before decoding images and tokenizing when the answer is no anyway (checked again
+    // at enqueue: another request may take the last place meanwhile).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!accepting_) return Unavailable("the server is shutting down");
+    LLAVA_RETURN_IF_ERROR(CheckIdFreeLocked(id));
+    if (scheduler_.waiting() >= options_.max_queue) {
+      return ResourceExhausted("the request queue is full (" +
+                               std::to_string(scheduler_.waiting()) + " waiting)");
+    }
+  }
   LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared,
                          PrepareRequest(request, model_.config(), model_.tokenizer(),
                                         options_.limits, request.sampling.max_tokens));
@@ -76,10 +87,7 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
   p->submitted = now;
   std::lock_guard<std::mutex> lock(mu_);
   if (!accepting_) return Unavailable("the server is shutting down");
-  if (pending_.count(id) ||
-      std::any_of(running_ids_.begin(), running_ids_.end(), [id](uint64_t r) { return r == id; })) {
-    return InvalidArgument("request id " + std::to_string(id) + " is already in use");
-  }
+  LLAVA_RETURN_IF_ERROR(CheckIdFreeLocked(id));
   SchedRequest sr;
   sr.id = id;
   sr.prompt_tokens = static_cast<int64_t>(p->prepared.prompt.ids.size());
@@ -90,6 +98,14 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
   pending_[id] = std::move(p);
   snapshot_.waiting = scheduler_.waiting();
   cv_.notify_one();
+  return Status::Ok();
+}
+
+Status Engine::CheckIdFreeLocked(uint64_t id) const {
+  if (pending_.count(id) ||
+      std::any_of(running_ids_.begin(), running_ids_.end(), [id](uint64_t r) { return r == id; })) {
+    return InvalidArgument("request id " + std::to_string(id) + " is already in use");
+  }
   return Status::Ok();
 }
 

@@ -120,6 +120,7 @@ class Engine final : public EngineApi {
   // over all rows at once.
   void Step();
   void Finish(Sequence* seq, StatusOr<GenerationResult> result);
+  Status CheckIdFreeLocked(uint64_t id) const;  // INVALID_ARGUMENT if `id` is live
   void UpdateSnapshotLocked();
 
   const ModelRunner& model_;

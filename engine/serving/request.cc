@@ -14,6 +14,18 @@ StatusOr<PreparedRequest> PrepareRequest(const GenerationRequest& req, const Lla
                                          const Tokenizer& tokenizer, const EngineLimits& limits,
                                          int64_t reserve) {
   LLAVA_RETURN_IF_ERROR(ValidateCacheParams(req.kv_cache));
+  // Bound the work before doing it: text that cannot fit is refused before it is tokenized.
+  const int64_t token_limit =
+      limits.max_prompt_tokens > 0 ? limits.max_prompt_tokens : cfg.text.max_position_embeddings;
+  int64_t text_bytes = 0;
+  for (const ChatMessage& m : req.messages) {
+    for (const ContentPart& p : m.content) text_bytes += static_cast<int64_t>(p.text.size());
+  }
+  if (text_bytes > token_limit * limits.max_text_bytes_per_token) {
+    return InvalidArgument("messages: " + std::to_string(text_bytes) +
+                           " bytes of text cannot fit a prompt of at most " +
+                           std::to_string(token_limit) + " tokens");
+  }
   PreparedRequest out;
   out.num_images = static_cast<int>(req.images.size());
   // Images: decode and preprocess before touching the model, so bad input fails fast.

@@ -33,6 +33,9 @@ struct EngineLimits {
   PromptLimits prompt;
   int max_tokens_limit = 4096;  // upper bound for sampling.max_tokens
   int max_prompt_tokens = 0;    // prompt length limit, image rows included (0: the context)
+  // Text bytes per token of the prompt limit, checked before tokenizing: text longer than this
+  // cannot fit (no token of our tokenizers is longer), so it is refused without the work.
+  int max_text_bytes_per_token = 32;
 };
 
 struct GenerationResult {
