@@ -68,6 +68,10 @@ TEST(Safetensors, RejectsMalformedFilesWithClearMessages) {
            R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
            12),
        StatusCode::kDataLoss, "overlap"},
+      // 2^40 x 2^24 elements wrap a 64-bit product to 0, which 0 bytes of data would match.
+      {"wrapping_shape",
+       RawFile(R"({"w":{"dtype":"F32","shape":[1099511627776,16777216],"data_offsets":[0,0]}})", 0),
+       StatusCode::kDataLoss, "shape too large"},
       {"negative_shape", RawFile(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4),
        StatusCode::kDataLoss, "bad shape"},
       {"missing_fields", RawFile(R"({"w":{"dtype":"F32"}})", 0), StatusCode::kDataLoss,

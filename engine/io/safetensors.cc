@@ -130,9 +130,12 @@ Status SafetensorsFile::Parse() {
       if (!d.is_number_integer() || d.get<int64_t>() < 0) {
         return DataLoss(where + ": bad shape " + v["shape"].dump());
       }
+      const uint64_t dim = static_cast<uint64_t>(d.get<int64_t>());
       info.shape.push_back(d.get<int64_t>());
-      numel *= static_cast<uint64_t>(d.get<int64_t>());
-      if (numel > (uint64_t{1} << 40)) return DataLoss(where + ": shape too large");
+      // Checked before multiplying: [2^40, 2^24] must not wrap around to 0 elements.
+      constexpr uint64_t kMaxElements = uint64_t{1} << 40;
+      if (dim != 0 && numel > kMaxElements / dim) return DataLoss(where + ": shape too large");
+      numel *= dim;
     }
     const auto& off = v["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
