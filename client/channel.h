@@ -7,7 +7,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace llava::client {
@@ -17,6 +19,23 @@ inline std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
   args.SetLoadBalancingPolicyName("round_robin");
   return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
 }
+
+// The bearer token in `path` (its first word; "" for an empty path), or nullopt if unreadable.
+inline std::optional<std::string> ReadToken(const std::string& path) {
+  if (path.empty()) return std::string();
+  std::ifstream in(path);
+  std::string token;
+  if (!in || !(in >> token)) return std::nullopt;
+  return token;
+}
+
+// Adds the token to a call's metadata (nothing for an empty token).
+inline void Authorize(grpc::ClientContext* ctx, const std::string& token) {
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+}
+
+constexpr char kTokenFileHelp[] =
+    "file holding the server's bearer token (llava-server --auth-tokens-file)";
 
 constexpr char kTargetHelp[] =
     "gRPC target: host:port, dns:///name:port or ipv4:a:port,b:port (requests spread "

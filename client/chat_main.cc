@@ -44,6 +44,7 @@ std::string MimeOf(const std::string& path) {
 
 struct Options {
   std::string server = "127.0.0.1:50051", system, policy, position_mode, elastic_variant;
+  std::string token_file, token;
   int max_tokens = 0, top_k = -1, recent_distance = 0, sink_tokens = -1;
   float temperature = -1, top_p = -1, repetition_penalty = -1;
   double budget = -1, timeout_s = 600;
@@ -86,8 +87,9 @@ bool FillRequest(const Options& o, ChatRequest* r) {
 
 // Streams one answer to stdout; returns the full text, or nullopt on error.
 std::optional<std::string> Ask(llava::v1::LlavaService::Stub* stub, const ChatRequest& req,
-                               double timeout_s) {
+                               double timeout_s, const std::string& token) {
   grpc::ClientContext ctx;
+  llava::client::Authorize(&ctx, token);
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
   auto reader = stub->ChatStream(&ctx, req);
@@ -136,6 +138,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> images;
   std::string question;
   app.add_option("--server", o.server, llava::client::kTargetHelp)->capture_default_str();
+  app.add_option("--token-file", o.token_file, llava::client::kTokenFileHelp);
   // One file per --image (repeatable): a vector option would otherwise swallow the question.
   app.add_option("--image", images, "image file (repeatable); attached to the first turn")
       ->allow_extra_args(false);
@@ -158,6 +161,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"product", "paper"}));
   app.add_option("--timeout", o.timeout_s, "seconds per answer")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  const std::optional<std::string> token = llava::client::ReadToken(o.token_file);
+  if (!token) {
+    std::cerr << "error: cannot read --token-file " << o.token_file << "\n";
+    return 2;
+  }
+  o.token = *token;
 
   auto stub = llava::v1::LlavaService::NewStub(llava::client::MakeChannel(o.server));
   ChatRequest conversation;
@@ -176,7 +185,7 @@ int main(int argc, char** argv) {
     }
     m->add_content()->set_text(text);
     if (!FillRequest(o, &req)) return false;
-    auto answer = Ask(stub.get(), req, o.timeout_s);
+    auto answer = Ask(stub.get(), req, o.timeout_s, o.token);
     if (!answer) return false;
     pending_images.clear();
     conversation = req;

@@ -56,10 +56,12 @@ struct StreamClock {
   void End(Sample* s) const { s->total = std::chrono::duration<double>(Clock::now() - t0).count(); }
 };
 
-Sample GrpcStream(llava::v1::LlavaService::Stub* stub, const llava::v1::ChatRequest& req) {
+Sample GrpcStream(llava::v1::LlavaService::Stub* stub, const llava::v1::ChatRequest& req,
+                  const std::string& token) {
   Sample s;
   StreamClock clock;
   grpc::ClientContext ctx;
+  llava::client::Authorize(&ctx, token);
   auto reader = stub->ChatStream(&ctx, req);
   llava::v1::ChatChunk chunk, last;
   while (reader->Read(&chunk)) {
@@ -79,7 +81,7 @@ Sample GrpcStream(llava::v1::LlavaService::Stub* stub, const llava::v1::ChatRequ
 }
 
 // POST /v1/chat/completions with "stream": true; reads the server-sent events as they come.
-Sample HttpStream(httplib::Client* client, const std::string& body) {
+Sample HttpStream(httplib::Client* client, const std::string& body, const std::string& token) {
   Sample s;
   StreamClock clock;
   std::string pending;
@@ -88,6 +90,7 @@ Sample HttpStream(httplib::Client* client, const std::string& body) {
   req.path = "/v1/chat/completions";
   req.body = body;
   req.set_header("Content-Type", "application/json");
+  if (!token.empty()) req.set_header("Authorization", "Bearer " + token);
   req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
     pending.append(data, n);
     for (size_t end = pending.find("\n\n"); end != std::string::npos; end = pending.find("\n\n")) {
@@ -176,8 +179,9 @@ int main(int argc, char** argv) {
   int concurrency = 8, requests = 32, max_tokens = 64, min_tokens = 0;
   double budget = -1, temperature = 0;
   bool ignore_eos = false;
-  std::string http;
+  std::string http, token_file;
   app.add_option("--server", server, llava::client::kTargetHelp)->capture_default_str();
+  app.add_option("--token-file", token_file, llava::client::kTokenFileHelp);
   app.add_option("--http", http,
                  "use the OpenAI-compatible HTTP API at this base URL instead of gRPC (e.g. "
                  "http://127.0.0.1:8000)");
@@ -196,6 +200,12 @@ int main(int argc, char** argv) {
   app.add_flag("--ignore-eos", ignore_eos,
                "generate exactly --max-tokens per request (equal work for every policy)");
   CLI11_PARSE(app, argc, argv);
+  const std::optional<std::string> read_token = llava::client::ReadToken(token_file);
+  if (!read_token) {
+    std::fprintf(stderr, "error: cannot read --token-file %s\n", token_file.c_str());
+    return 2;
+  }
+  const std::string token = *read_token;
 
   llava::v1::ChatRequest base;
   auto* m = base.add_messages();
@@ -254,8 +264,8 @@ int main(int argc, char** argv) {
               min_tokens + static_cast<int>((static_cast<int64_t>(i) * 7919) % span));
         }
         req.set_request_id("load-" + std::to_string(w));
-        const Sample s = client ? HttpStream(client.get(), ToOpenAiJson(req, policy))
-                                : GrpcStream(stub.get(), req);
+        const Sample s = client ? HttpStream(client.get(), ToOpenAiJson(req, policy), token)
+                                : GrpcStream(stub.get(), req, token);
         std::lock_guard<std::mutex> lock(mu);
         if (!s.error.empty()) {
           ++errors;

@@ -8,6 +8,9 @@
 namespace llava::server {
 namespace {
 
+constexpr char kUnauthenticated[] =
+    "this server needs a bearer token: metadata \"authorization: Bearer <token>\"";
+
 // Converts the call's deadline (system clock) for the engine (steady clock).
 std::optional<std::chrono::steady_clock::time_point> EngineDeadline(
     grpc::CallbackServerContext* context) {
@@ -39,9 +42,9 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
       : service_(service), context_(context) {
     observer_ = std::make_shared<Observer>(this, response);
     uint64_t id = 0;
-    Status s = service->Start(context, *request, observer_, &id, &observer_->log);
+    grpc::Status s = service->Start(context, *request, observer_, &id, &observer_->log);
     if (!s.ok()) {
-      Finish(ToGrpcStatus(s));
+      Finish(s);
       return;
     }
     engine_id_ = id;
@@ -102,9 +105,9 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
       : service_(service), context_(context) {
     observer_ = std::make_shared<Observer>(this);
     uint64_t id = 0;
-    Status s = service->Start(context, *request, observer_, &id, &observer_->log);
+    grpc::Status s = service->Start(context, *request, observer_, &id, &observer_->log);
     if (!s.ok()) {
-      Finish(ToGrpcStatus(s));
+      Finish(s);
       return;
     }
     engine_id_ = id;
@@ -229,16 +232,29 @@ ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std:
 LlavaServiceImpl::LlavaServiceImpl(RequestGate* gate, ServiceConfig config)
     : gate_(gate), config_(std::move(config)) {}
 
-Status LlavaServiceImpl::Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
-                               std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
-                               RequestLog* log) {
+std::optional<std::string> LlavaServiceImpl::Authenticate(grpc::CallbackServerContext* context) {
+  const auto& metadata = context->client_metadata();
+  const auto it = metadata.find("authorization");
+  const std::string_view value = it == metadata.end()
+                                     ? std::string_view()
+                                     : std::string_view(it->second.data(), it->second.size());
+  return gate_->Authenticate(value, "grpc");
+}
+
+grpc::Status LlavaServiceImpl::Start(grpc::CallbackServerContext* context,
+                                     const v1::ChatRequest& request,
+                                     std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
+                                     RequestLog* log) {
+  std::optional<std::string> client = Authenticate(context);
+  if (!client) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticated);
+  log->client = *client;
   StatusOr<GenerationRequest> converted = ToGenerationRequest(request, config_.defaults);
   if (!converted.ok()) {
     gate_->Refused(converted.status(), "grpc");
-    return converted.status();
+    return ToGrpcStatus(converted.status());
   }
-  return gate_->Submit(*converted, request.request_id(), "grpc", EngineDeadline(context),
-                       std::move(observer), engine_id, log);
+  return ToGrpcStatus(gate_->Submit(*converted, request.request_id(), "grpc",
+                                    EngineDeadline(context), std::move(observer), engine_id, log));
 }
 
 grpc::ServerUnaryReactor* LlavaServiceImpl::Chat(grpc::CallbackServerContext* context,
@@ -255,6 +271,11 @@ grpc::ServerWriteReactor<v1::ChatChunk>* LlavaServiceImpl::ChatStream(
 grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerContext* context,
                                                          const v1::GetModelInfoRequest*,
                                                          v1::ModelInfo* info) {
+  auto* reactor = context->DefaultReactor();
+  if (!Authenticate(context)) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticated));
+    return reactor;
+  }
   const ModelFacts& m = config_.model;
   info->set_model_path(m.model_path);
   info->set_vocab_size(m.vocab_size);
@@ -269,7 +290,6 @@ grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerCon
   info->set_max_tokens_limit(config_.max_tokens_limit);
   info->set_dtype(m.dtype);
   info->set_cpu_path(m.cpu_path);
-  auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -44,10 +44,14 @@ class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
 
-  // Converts and submits through the gate (request_gate.h); on error nothing was submitted.
-  // Thread-safe.
-  Status Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
-               std::shared_ptr<RequestObserver> observer, uint64_t* engine_id, RequestLog* log);
+  // Authenticates, converts and submits through the gate (request_gate.h); on error nothing
+  // was submitted. Thread-safe.
+  grpc::Status Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
+                     std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
+                     RequestLog* log);
+  // The client's token name, or nullopt (UNAUTHENTICATED) when a needed token is missing or
+  // unknown.
+  std::optional<std::string> Authenticate(grpc::CallbackServerContext* context);
 
   RequestGate* gate() { return gate_; }
   ServingMetrics* metrics() { return gate_->metrics(); }

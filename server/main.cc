@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <thread>
 
 #include "engine/kernels/cpu_features.h"
@@ -63,6 +64,16 @@ int main(int argc, char** argv) {
   app.add_option("--served-model-name", served_model_name,
                  "the model id of the HTTP API (default: the model folder's name)")
       ->envname(env("SERVED_MODEL_NAME"));
+  std::string auth_tokens_file;
+  bool reflection = true;
+  app.add_option("--auth-tokens-file", auth_tokens_file,
+                 "bearer tokens, one per line (TOKEN or NAME TOKEN), re-read when the file "
+                 "changes; LLAVA_AUTH_TOKENS may hold more (',' between them). With any token, "
+                 "every RPC but health and every /v1 route needs one")
+      ->envname(env("AUTH_TOKENS_FILE"));
+  app.add_option("--reflection", reflection, "gRPC server reflection (turn off in production)")
+      ->envname(env("REFLECTION"))
+      ->capture_default_str();
   int64_t kv_bytes = 0;
   auto* gib_opt = app.add_option("--kv-cache-gib", kv_gib, "KV byte budget for admission, GiB")
                       ->envname(env("KV_CACHE_GIB"))
@@ -173,7 +184,19 @@ int main(int argc, char** argv) {
   sc.defaults.max_tokens = default_max_tokens;
   sc.defaults.kv = *parsed_policy;
   llava::server::ServingMetrics metrics;
-  llava::server::RequestGate gate(&engine, &metrics);
+  std::unique_ptr<llava::server::TokenStore> tokens;
+  const char* inline_tokens = std::getenv("LLAVA_AUTH_TOKENS");
+  if (!auth_tokens_file.empty() || (inline_tokens != nullptr && *inline_tokens != '\0')) {
+    auto store =
+        llava::server::TokenStore::Create(auth_tokens_file, inline_tokens ? inline_tokens : "");
+    if (!store.ok()) {
+      spdlog::error("{}", store.status().ToString());
+      return 2;
+    }
+    tokens = std::move(store).value();
+    spdlog::info("bearer tokens required: {} known", tokens->size());
+  }
+  llava::server::RequestGate gate(&engine, &metrics, tokens.get());
   llava::server::LlavaServiceImpl service(&gate, sc);
   std::atomic<bool> serving{false};
   llava::server::MetricsHttpServer http(
@@ -211,7 +234,7 @@ int main(int argc, char** argv) {
   }
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int bound_port = 0;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &bound_port);

@@ -29,6 +29,10 @@ class ServingMetrics {
                       CachePolicy policy, const std::string& api);
   // A request was refused before it reached the engine (bad input, full queue, ...).
   void RecordRejected(const Status& status, const std::string& api);
+  // A request refused for a missing or unknown bearer token.
+  void RecordUnauthenticated(const std::string& api) {
+    status_->Add({{"code", "UNAUTHENTICATED"}, {"api", api}}).Increment();
+  }
   // Time between two streamed pieces of one request.
   void RecordInterToken(double seconds) { inter_token_->Observe(seconds); }
   // Refreshes the gauges from the engine (called before each scrape).

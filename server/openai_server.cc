@@ -63,6 +63,17 @@ void SendError(httplib::Response& res, const Status& status) {
   res.set_content(ErrorJson(status), "application/json");
 }
 
+// 401 in OpenAI's shape (what its API answers for a wrong key).
+void SendUnauthenticated(httplib::Response& res) {
+  res.status = 401;
+  res.set_header("WWW-Authenticate", "Bearer");
+  res.set_content(
+      "{\"error\":{\"message\":\"this server needs a bearer token: header \\\"Authorization: "
+      "Bearer <token>\\\" (the OpenAI SDKs send their api_key so)\",\"type\":"
+      "\"invalid_request_error\",\"param\":null,\"code\":\"invalid_api_key\"}}",
+      "application/json");
+}
+
 // One request's output, written by the engine thread and read by the connection's worker.
 struct HttpCall : RequestObserver {
   explicit HttpCall(ServingMetrics* m) : metrics(m) {}
@@ -143,6 +154,15 @@ int OpenAiServer::Start(const std::string& address) {
                         {"owned_by", "llava-server"}};
     return m.dump();
   }();
+  // Every /v1 route needs the bearer token when the server has any.
+  http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (req.path.rfind("/v1/", 0) == 0 &&
+        !gate_->Authenticate(req.get_header_value("Authorization"), "openai")) {
+      SendUnauthenticated(res);
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
   http.Get("/v1/models", [models_json](const httplib::Request&, httplib::Response& res) {
     res.set_content("{\"object\":\"list\",\"data\":[" + models_json + "]}", "application/json");
   });
@@ -174,6 +194,8 @@ int OpenAiServer::Start(const std::string& address) {
                      std::chrono::duration<double>(*parsed->timeout_seconds));
     }
     auto call = std::make_shared<HttpCall>(gate_->metrics());
+    call->log.client = gate_->Authenticate(req.get_header_value("Authorization"), "openai")
+                           .value_or("-");  // checked before routing; here for the name
     uint64_t id = 0;
     Status s = gate_->Submit(parsed->request, "", "openai", deadline, call, &id, &call->log);
     if (!s.ok()) {

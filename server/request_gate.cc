@@ -6,7 +6,8 @@ namespace llava::server {
 
 void LogRequest(const RequestLog& log, const StatusOr<GenerationResult>& result, double queue_s) {
   if (!result.ok()) {
-    spdlog::warn("request id={} api={} status={}", log.id, log.api, result.status().ToString());
+    spdlog::warn("request id={} api={} client={} status={}", log.id, log.api, log.client,
+                 result.status().ToString());
     return;
   }
   const GenerationResult& r = *result;
@@ -14,10 +15,11 @@ void LogRequest(const RequestLog& log, const StatusOr<GenerationResult>& result,
                            ? 1.0 - double(r.kv.bytes_kept) / r.kv.full_equivalent_bytes
                            : 0.0;
   spdlog::info(
-      "request id={} api={} finish={} prompt_tokens={} image_tokens={} completion_tokens={} "
+      "request id={} api={} client={} finish={} prompt_tokens={} image_tokens={} "
+      "completion_tokens={} "
       "policy={} budget={:.2f} kv_bytes={} kv_full_bytes={} kv_saved={:.1f}% queue_s={:.3f} "
       "ttft_s={:.3f} total_s={:.3f}",
-      log.id, log.api, FinishReasonName(r.finish), r.prompt_tokens, r.image_tokens,
+      log.id, log.api, log.client, FinishReasonName(r.finish), r.prompt_tokens, r.image_tokens,
       r.completion_tokens, CachePolicyName(log.policy), log.budget, r.kv.bytes_kept,
       r.kv.full_equivalent_bytes, 100 * saved, queue_s, r.ttft_seconds, r.total_seconds);
 }
@@ -42,6 +44,18 @@ Status RequestGate::Submit(const GenerationRequest& request, const std::string& 
   Status s = engine_->Submit(*engine_id, request, std::move(observer), deadline);
   if (!s.ok()) Refused(s, api);
   return s;
+}
+
+std::optional<std::string> RequestGate::Authenticate(std::string_view authorization,
+                                                     const std::string& api) {
+  if (tokens_ == nullptr) return std::string("-");
+  std::optional<std::string> name = tokens_->Authenticate(authorization);
+  if (!name) {
+    spdlog::warn("request rejected: api={} UNAUTHENTICATED: {} bearer token", api,
+                 authorization.empty() ? "no" : "an unknown");
+    if (metrics_ != nullptr) metrics_->RecordUnauthenticated(api);
+  }
+  return name;
 }
 
 void RequestGate::Refused(const Status& status, const std::string& api) {

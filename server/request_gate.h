@@ -13,6 +13,7 @@
 #include <string>
 
 #include "engine/serving/engine.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 
 namespace llava::server {
@@ -26,8 +27,9 @@ struct RequestDefaults {
 // What a call keeps of its request for the log line at the end: the converted request itself
 // (image bytes included) is handed to the engine and not kept by the call.
 struct RequestLog {
-  std::string id;   // the client's request id, or "req-<engine id>"
-  std::string api;  // "grpc" or "openai"
+  std::string id;            // the client's request id, or "req-<engine id>"
+  std::string api;           // "grpc" or "openai"
+  std::string client = "-";  // the bearer token's name; "-" without authentication
   CachePolicy policy = CachePolicy::kFull;
   double budget = 1.0;
 };
@@ -43,8 +45,14 @@ struct InterTokenClock {
 
 class RequestGate {
  public:
-  // Borrows both; `metrics` may be null.
-  RequestGate(EngineApi* engine, ServingMetrics* metrics) : engine_(engine), metrics_(metrics) {}
+  // Borrows all three; `metrics` may be null, `tokens` null for a server without authentication.
+  RequestGate(EngineApi* engine, ServingMetrics* metrics, TokenStore* tokens = nullptr)
+      : engine_(engine), metrics_(metrics), tokens_(tokens) {}
+
+  // The client's name from its `authorization` value ("Bearer <token>"): "-" when the server
+  // needs no token, nullopt (logged and counted as UNAUTHENTICATED, the token never written)
+  // when it is missing or unknown.
+  std::optional<std::string> Authenticate(std::string_view authorization, const std::string& api);
 
   // Submits `request` under a fresh engine id. Fills `engine_id` and, before the engine can
   // call `observer`, `log` (its id is `client_id`, or "req-<engine id>" when empty). On error
@@ -63,6 +71,7 @@ class RequestGate {
  private:
   EngineApi* engine_;
   ServingMetrics* metrics_;
+  TokenStore* tokens_;
   std::atomic<uint64_t> next_id_{1};
 };
 

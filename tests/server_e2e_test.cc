@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <opencv2/core.hpp>
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
@@ -375,6 +376,36 @@ TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
   ::llava::testing::WriteFile(path, body);
   ASSERT_EQ(std::system("command -v promtool > /dev/null"), 0) << "promtool is not installed";
   EXPECT_EQ(std::system(("promtool check metrics < '" + path + "'").c_str()), 0) << body;
+}
+
+// A server that needs a bearer token, with llava-chat as the client: no token, a wrong one and
+// the right one; the log names the client, never the token.
+TEST(ServerAuth, ChatClientNeedsTheServersToken) {
+  const std::string dir = ::testing::TempDir();
+  const std::string tokens = dir + "/llava-e2e-tokens", good = dir + "/llava-good-token",
+                    bad = dir + "/llava-bad-token";
+  std::ofstream(tokens) << "# who may call\nci-bot s3cr3t-t0ken-0123456789\n";
+  std::ofstream(good) << "s3cr3t-t0ken-0123456789\n";
+  std::ofstream(bad) << "s3cr3t-t0ken-0123456788\n";
+  testing::ServerProcess server(
+      LLAVA_SERVER_BINARY,
+      {"--model", ::llava::testing::TestData() + "/tiny-new", "--dtype", "f32", "--threads", "1",
+       "--auth-tokens-file", tokens, "--reflection", "false"},
+      dir + "/llava-auth.log");
+  ASSERT_GT(server.port(), 0) << server.Log();
+  auto chat = [&](const std::string& token_flag) {
+    return ::llava::testing::RunCommand(std::string(LLAVA_CHAT_BINARY) + " --server " +
+                                        server.address() + " --max-tokens 3 " + token_flag +
+                                        " 'hello there' < /dev/null 2>&1");
+  };
+  const std::string none = chat(""), wrong = chat("--token-file " + bad),
+                    right = chat("--token-file " + good);
+  EXPECT_NE(none.find("error: 16 this server needs a bearer token"), std::string::npos) << none;
+  EXPECT_NE(wrong.find("error: 16 this server needs a bearer token"), std::string::npos) << wrong;
+  EXPECT_NE(right.find("[FINISH_REASON_"), std::string::npos) << right;
+  const std::string log = server.Log();
+  EXPECT_NE(log.find("client=ci-bot"), std::string::npos) << log;
+  EXPECT_EQ(log.find("s3cr3t"), std::string::npos) << "a token reached the log:\n" << log;
 }
 
 // Scale-out that works for gRPC: one client channel over two servers spreads its requests

@@ -8,7 +8,8 @@
 //
 // usage: node test.mjs SOURCE_DIR BIN_DIR
 import { spawn, execFileSync } from "node:child_process";
-import { readFileSync } from "node:fs";
+import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
 import net from "node:net";
 import assert from "node:assert/strict";
 import OpenAI from "openai";
@@ -297,6 +298,35 @@ await check("the README's curl examples, run as written", async () => {
       cwd: SRC, encoding: "utf8", env: { ...process.env, LLAVA_HTTP: base } });
     assert.match(out, /"choices"|"data"|data: /, out.slice(0, 300));
     assert.doesNotMatch(out, /"error"/, out.slice(0, 300));
+  }
+});
+
+await check("401 without the server's bearer token; the OpenAI api_key is the token", async () => {
+  const dir = mkdtempSync(`${tmpdir()}/llava-auth-`);
+  writeFileSync(`${dir}/tokens`, "sdk-test 0123456789abcdef-token\n");
+  const secured = startServer(["--auth-tokens-file", `${dir}/tokens`]);
+  try {
+    const p = await secured.ports;
+    const url = `http://127.0.0.1:${p.http}/v1`;
+    const good = new OpenAI({ baseURL: url, apiKey: "0123456789abcdef-token", maxRetries: 0 });
+    const r = await good.chat.completions.create({
+      model: "shapes-llava", messages: imageMessage("How many objects are there?"), max_tokens: 4 });
+    assert.ok(r.choices[0].message.content.length > 0);
+    const wrong = new OpenAI({ baseURL: url, apiKey: "0123456789abcdef-tokem", maxRetries: 0 });
+    for (const call of [() => wrong.models.list(),
+                        () => wrong.chat.completions.create({ model: "shapes-llava", messages: imageMessage("Hi") })]) {
+      let caught;
+      try { await call(); } catch (e) { caught = e; }
+      assert.ok(caught instanceof OpenAI.AuthenticationError, `${caught}`);
+      assert.equal(caught.status, 401);
+      assert.equal(caught.code, "invalid_api_key");
+    }
+    assert.match(secured.log(), /client=sdk-test/);
+    assert.doesNotMatch(secured.log(), /0123456789abcdef-tok/, "a token reached the log");
+    // Probes and scrapes need no token.
+    assert.equal((await fetch(`http://127.0.0.1:${p.metrics}/healthz`)).status, 200);
+  } finally {
+    secured.proc.kill("SIGKILL");
   }
 });
 
