@@ -45,6 +45,7 @@ std::string MimeOf(const std::string& path) {
 struct Options {
   std::string server = "127.0.0.1:50051", system, policy, position_mode, elastic_variant;
   std::string token_file, token;
+  llava::client::TlsOptions tls;
   int max_tokens = 0, top_k = -1, recent_distance = 0, sink_tokens = -1;
   float temperature = -1, top_p = -1, repetition_penalty = -1;
   double budget = -1, timeout_s = 600;
@@ -139,6 +140,7 @@ int main(int argc, char** argv) {
   std::string question;
   app.add_option("--server", o.server, llava::client::kTargetHelp)->capture_default_str();
   app.add_option("--token-file", o.token_file, llava::client::kTokenFileHelp);
+  llava::client::AddTlsFlags(&app, &o.tls);
   // One file per --image (repeatable): a vector option would otherwise swallow the question.
   app.add_option("--image", images, "image file (repeatable); attached to the first turn")
       ->allow_extra_args(false);
@@ -168,7 +170,7 @@ int main(int argc, char** argv) {
   }
   o.token = *token;
 
-  auto stub = llava::v1::LlavaService::NewStub(llava::client::MakeChannel(o.server));
+  auto stub = llava::v1::LlavaService::NewStub(llava::client::MakeChannel(o.server, o.tls));
   ChatRequest conversation;
   if (!o.system.empty()) {
     Message* m = conversation.add_messages();

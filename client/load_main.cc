@@ -182,6 +182,8 @@ int main(int argc, char** argv) {
   std::string http, token_file;
   app.add_option("--server", server, llava::client::kTargetHelp)->capture_default_str();
   app.add_option("--token-file", token_file, llava::client::kTokenFileHelp);
+  llava::client::TlsOptions tls;
+  llava::client::AddTlsFlags(&app, &tls);
   app.add_option("--http", http,
                  "use the OpenAI-compatible HTTP API at this base URL instead of gRPC (e.g. "
                  "http://127.0.0.1:8000)");
@@ -236,7 +238,7 @@ int main(int argc, char** argv) {
   }
   if (budget > 0) base.mutable_kv_cache()->set_budget(budget);
 
-  auto channel = llava::client::MakeChannel(server);
+  auto channel = llava::client::MakeChannel(server, tls);
   std::atomic<int> next{0};
   std::mutex mu;
   std::vector<double> ttft, itl, e2e;

@@ -20,6 +20,7 @@
 #include "server/http_endpoint.h"
 #include "server/llava_service.h"
 #include "server/openai_server.h"
+#include "server/tls.h"
 
 namespace {
 
@@ -64,6 +65,18 @@ int main(int argc, char** argv) {
   app.add_option("--served-model-name", served_model_name,
                  "the model id of the HTTP API (default: the model folder's name)")
       ->envname(env("SERVED_MODEL_NAME"));
+  llava::server::TlsFiles tls;
+  app.add_option("--tls-cert", tls.cert, "PEM certificate chain of the gRPC port (TLS)")
+      ->envname(env("TLS_CERT"));
+  app.add_option("--tls-key", tls.key, "PEM private key of --tls-cert")->envname(env("TLS_KEY"));
+  app.add_option("--tls-client-ca", tls.client_ca,
+                 "PEM CA bundle: clients must present a certificate it signed (mutual TLS)")
+      ->envname(env("TLS_CLIENT_CA"));
+  app.add_option("--tls-reload-seconds", tls.reload_seconds,
+                 "how often the TLS files are checked for renewal")
+      ->envname(env("TLS_RELOAD_SECONDS"))
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   std::string auth_tokens_file;
   bool reflection = true;
   app.add_option("--auth-tokens-file", auth_tokens_file,
@@ -237,7 +250,18 @@ int main(int argc, char** argv) {
   if (reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int bound_port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &bound_port);
+  auto credentials = llava::server::GrpcServerCredentials(tls);
+  if (!credentials.ok()) {
+    spdlog::error("{}", credentials.status().ToString());
+    return 2;
+  }
+  if (!tls.cert.empty()) {
+    spdlog::info(
+        "gRPC over TLS ({}), files re-read every {} s",
+        tls.client_ca.empty() ? "server certificate" : "mutual, client certificates required",
+        tls.reload_seconds);
+  }
+  builder.AddListeningPort(listen, *credentials, &bound_port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_image_bytes * max_images + (1 << 20)));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

@@ -408,6 +408,88 @@ TEST(ServerAuth, ChatClientNeedsTheServersToken) {
   EXPECT_EQ(log.find("s3cr3t"), std::string::npos) << "a token reached the log:\n" << log;
 }
 
+// The gRPC port over mutual TLS with llava-chat: the right CA and client certificate work; no
+// TLS, a wrong CA, no client certificate or one from another CA fail; a renewed certificate is
+// served without a restart, and an expired one is refused by the client.
+TEST(ServerTls, MutualTlsWrongCaRenewalAndExpiry) {
+  const std::string dir = ::testing::TempDir() + "/llava-tls";
+  const std::string make_certs = R"(set -e
+    rm -rf DIR && mkdir -p DIR && cd DIR
+    key() { openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "$@" 2> /dev/null; }
+    for ca in ca1 ca2; do key -x509 -keyout $ca.key -out $ca.pem -days 2 -subj /CN=$ca; done
+    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' > san.ext
+    sign() {  # name ca days
+      key -keyout $1.key -out $1.csr -subj /CN=$1
+      openssl x509 -req -in $1.csr -CA $2.pem -CAkey $2.key -CAcreateserial -out $1.pem \
+        -days $3 -extfile san.ext 2> /dev/null
+    }
+    sign server ca1 2; sign server2 ca2 2; sign client ca1 2; sign rogue ca2 2; sign expired ca1 0
+    cp server.pem live.pem; cp server.key live.key
+    echo made)";
+  std::string script = make_certs;
+  for (size_t at = script.find("DIR"); at != std::string::npos; at = script.find("DIR"))
+    script.replace(at, 3, dir);
+  ASSERT_NE(::llava::testing::RunCommand("bash -c '" + script + "' 2>&1").find("made"),
+            std::string::npos);
+  testing::ServerProcess server(
+      LLAVA_SERVER_BINARY,
+      {"--model", ::llava::testing::TestData() + "/tiny-new", "--dtype", "f32", "--threads", "1",
+       "--tls-cert", dir + "/live.pem", "--tls-key", dir + "/live.key", "--tls-client-ca",
+       dir + "/ca1.pem", "--tls-reload-seconds", "1"},
+      dir + "/server.log");
+  ASSERT_GT(server.port(), 0) << server.Log();
+  auto chat = [&](const std::string& flags) {
+    return ::llava::testing::RunCommand(std::string(LLAVA_CHAT_BINARY) + " --server " +
+                                        server.address() + " --max-tokens 3 --timeout 10 " + flags +
+                                        " 'hello there' < /dev/null 2>&1");
+  };
+  auto with = [&](const std::string& ca, const std::string& cert) {
+    std::string f = "--tls-ca " + dir + "/" + ca + ".pem";
+    if (!cert.empty())
+      f += " --tls-cert " + dir + "/" + cert + ".pem --tls-key " + dir + "/" + cert + ".key";
+    return chat(f);
+  };
+  const std::string ok = "[FINISH_REASON_";
+  EXPECT_NE(with("ca1", "client").find(ok), std::string::npos) << with("ca1", "client");
+  EXPECT_EQ(chat("").find(ok), std::string::npos) << "plaintext against a TLS port";
+  EXPECT_EQ(with("ca2", "client").find(ok), std::string::npos) << "the wrong CA";
+  EXPECT_EQ(with("ca1", "").find(ok), std::string::npos) << "no client certificate";
+  EXPECT_EQ(with("ca1", "rogue").find(ok), std::string::npos)
+      << "a client certificate of another CA";
+  // Renewal: new files, same process.
+  ::llava::testing::RunCommand("cd " + dir +
+                               " && cp server2.key live.key.new && cp server2.pem live.pem.new && "
+                               "mv live.key.new live.key && mv live.pem.new live.pem");
+  std::string renewed;
+  for (int i = 0; i < 50 && renewed.find(ok) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    renewed = with("ca2", "client");
+  }
+  EXPECT_NE(renewed.find(ok), std::string::npos)
+      << "the renewed certificate was not served: " << renewed;
+  EXPECT_EQ(with("ca1", "client").find(ok), std::string::npos)
+      << "the old certificate is still served";
+  // An expired certificate (valid for 0 days) of the same CA as a valid one: clients refuse it.
+  auto serve = [&](const std::string& name) {
+    ::llava::testing::RunCommand("cd " + dir + " && cp " + name + ".key live.key.new && cp " +
+                                 name + ".pem live.pem.new && mv live.key.new live.key && " +
+                                 "mv live.pem.new live.pem");
+  };
+  serve("server");
+  std::string back;
+  for (int i = 0; i < 50 && back.find(ok) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    back = with("ca1", "client");
+  }
+  ASSERT_NE(back.find(ok), std::string::npos) << back;
+  ::llava::testing::RunCommand("cd " + dir +
+                               " && cp expired.key live.key.new && cp expired.pem live.pem.new && "
+                               "mv live.key.new live.key && mv live.pem.new live.pem");
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_EQ(with("ca1", "client").find(ok), std::string::npos)
+      << "an expired certificate was accepted";
+}
+
 // Scale-out that works for gRPC: one client channel over two servers spreads its requests
 // between them (client/channel.h: round_robin over every address of the target), where a
 // plain channel would send them all to one.
