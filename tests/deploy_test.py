@@ -129,6 +129,17 @@ def check_overlay(overlay, docs):
           "container port metrics differs from LLAVA_METRICS_LISTEN")
     check(ports.get("http") == int(config["LLAVA_HTTP_LISTEN"].rsplit(":", 1)[1]),
           "container port http differs from LLAVA_HTTP_LISTEN")
+    # TLS and token files come from mounted Secrets, and the kubelet's gRPC probes cannot speak
+    # TLS: with it on, the probes must read /healthz.
+    mounts = [m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts", [])]
+    for key in ("LLAVA_TLS_CERT", "LLAVA_TLS_KEY", "LLAVA_TLS_CLIENT_CA", "LLAVA_AUTH_TOKENS_FILE"):
+        if key in config:
+            check(any(config[key].startswith(m) for m in mounts),
+                  f"{overlay}: {key}={config[key]} lies on no mounted volume")
+    if "LLAVA_TLS_CERT" in config:
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            check("grpc" not in container.get(probe, {}),
+                  f"{overlay}: {probe} uses gRPC, which the kubelet cannot speak over TLS")
     check(pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"]),
           "prometheus.io/port annotation differs from the metrics port")
     pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
