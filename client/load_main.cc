@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "client/base64.h"
 #include "client/channel.h"
 #include "llava/v1/llava.grpc.pb.h"
 
@@ -130,20 +131,6 @@ Sample HttpStream(httplib::Client* client, const std::string& body, const std::s
 // The gRPC request as the OpenAI API's JSON (images as data URIs, the cache as the kv_cache
 // extension), so both transports carry the same work.
 std::string ToOpenAiJson(const llava::v1::ChatRequest& r, const std::string& policy) {
-  static const char* kB64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  auto base64 = [](const std::string& in) {
-    std::string out;
-    uint32_t acc = 0;
-    int bits = 0;
-    for (unsigned char c : in) {
-      acc = (acc << 8) | c;
-      bits += 8;
-      while (bits >= 6) out.push_back(kB64[(acc >> (bits -= 6)) & 63]);
-    }
-    if (bits > 0) out.push_back(kB64[(acc << (6 - bits)) & 63]);
-    while (out.size() % 4) out.push_back('=');
-    return out;
-  };
   nlohmann::json parts = nlohmann::json::array();
   for (const auto& part : r.messages(0).content()) {
     if (part.has_image()) {
@@ -154,7 +141,8 @@ std::string ToOpenAiJson(const llava::v1::ChatRequest& r, const std::string& pol
                                                        : "image/webp";
       parts.push_back(
           {{"type", "image_url"},
-           {"image_url", {{"url", std::string("data:") + mime + ";base64," + base64(d)}}}});
+           {"image_url",
+            {{"url", std::string("data:") + mime + ";base64," + llava::client::Base64Encode(d)}}}});
     } else {
       parts.push_back({{"type", "text"}, {"text", part.text()}});
     }

@@ -154,20 +154,22 @@ int OpenAiServer::Start(const std::string& address) {
                         {"owned_by", "llava-server"}};
     return m.dump();
   }();
-  // Every /v1 route needs the bearer token when the server has any.
-  http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (req.path.rfind("/v1/", 0) == 0 &&
-        !gate_->Authenticate(req.get_header_value("Authorization"), "openai")) {
-      SendUnauthenticated(res);
-      return httplib::Server::HandlerResponse::Handled;
-    }
-    return httplib::Server::HandlerResponse::Unhandled;
-  });
-  http.Get("/v1/models", [models_json](const httplib::Request&, httplib::Response& res) {
-    res.set_content("{\"object\":\"list\",\"data\":[" + models_json + "]}", "application/json");
-  });
-  http.Get("/v1/models/(.+)", [this, models_json](const httplib::Request& req,
-                                                  httplib::Response& res) {
+  // Every route needs the bearer token when the server has any: the client's token name, or
+  // nullopt after answering 401.
+  auto client = [this](const httplib::Request& req, httplib::Response& res) {
+    std::optional<std::string> name =
+        gate_->Authenticate(req.get_header_value("Authorization"), "openai");
+    if (!name) SendUnauthenticated(res);
+    return name;
+  };
+  http.Get(
+      "/v1/models", [client, models_json](const httplib::Request& req, httplib::Response& res) {
+        if (!client(req, res)) return;
+        res.set_content("{\"object\":\"list\",\"data\":[" + models_json + "]}", "application/json");
+      });
+  http.Get("/v1/models/(.+)", [this, client, models_json](const httplib::Request& req,
+                                                          httplib::Response& res) {
+    if (!client(req, res)) return;
     if (req.matches[1] != config_.model_id) {
       SendError(res, NotFound("The model '" + std::string(req.matches[1]) +
                               "' does not exist; this server serves '" + config_.model_id + "'"));
@@ -176,113 +178,116 @@ int OpenAiServer::Start(const std::string& address) {
     res.set_content(models_json, "application/json");
   });
 
-  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    StatusOr<OpenAiRequest> parsed = ParseChatCompletion(req.body, config_.defaults);
-    if (parsed.ok() && !parsed->model.empty() && parsed->model != config_.model_id) {
-      parsed = NotFound("The model '" + parsed->model + "' does not exist; this server serves '" +
-                        config_.model_id + "'");
-    }
-    if (!parsed.ok()) {
-      gate_->Refused(parsed.status(), "openai");
-      SendError(res, parsed.status());
-      return;
-    }
-    std::optional<std::chrono::steady_clock::time_point> deadline;
-    if (parsed->timeout_seconds) {
-      deadline = std::chrono::steady_clock::now() +
-                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double>(*parsed->timeout_seconds));
-    }
-    auto call = std::make_shared<HttpCall>(gate_->metrics());
-    call->log.client = gate_->Authenticate(req.get_header_value("Authorization"), "openai")
-                           .value_or("-");  // checked before routing; here for the name
-    uint64_t id = 0;
-    Status s = gate_->Submit(parsed->request, "", "openai", deadline, call, &id, &call->log);
-    if (!s.ok()) {
-      SendError(res, ToOpenAiFieldNames(s));
-      return;
-    }
-    CompletionMeta meta;
-    meta.id = "chatcmpl-" + call->log.id;
-    meta.model = config_.model_id;
-    meta.created = std::chrono::duration_cast<std::chrono::seconds>(
-                       std::chrono::system_clock::now().time_since_epoch())
-                       .count();
-    const int fd = ConnectionSocket(req);
-    RequestGate* gate = gate_;
-
-    if (!parsed->stream) {
-      std::unique_lock<std::mutex> lock(call->mu);
-      bool cancelled = false;
-      while (!call->result) {
-        call->cv.wait_for(lock, kHangupPoll);
-        if (!cancelled && !call->result && PeerGone(fd)) {
-          gate->Cancel(id);
-          cancelled = true;
+  http.Post(
+      "/v1/chat/completions", [this, client](const httplib::Request& req, httplib::Response& res) {
+        const std::optional<std::string> name = client(req, res);
+        if (!name) return;
+        StatusOr<OpenAiRequest> parsed = ParseChatCompletion(req.body, config_.defaults);
+        if (parsed.ok() && !parsed->model.empty() && parsed->model != config_.model_id) {
+          parsed = NotFound("The model '" + parsed->model +
+                            "' does not exist; this server serves '" + config_.model_id + "'");
         }
-      }
-      const StatusOr<GenerationResult> result = *call->result;
-      if (!result.ok()) {
-        SendError(res, result.status());
-        return;
-      }
-      res.set_content(CompletionJson(meta, call->text, *result, call->queue_seconds),
-                      "application/json");
-      return;
-    }
+        if (!parsed.ok()) {
+          gate_->Refused(parsed.status(), "openai");
+          SendError(res, parsed.status());
+          return;
+        }
+        std::optional<std::chrono::steady_clock::time_point> deadline;
+        if (parsed->timeout_seconds) {
+          deadline = std::chrono::steady_clock::now() +
+                     std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                         std::chrono::duration<double>(*parsed->timeout_seconds));
+        }
+        auto call = std::make_shared<HttpCall>(gate_->metrics());
+        call->log.client = *name;
+        uint64_t id = 0;
+        Status s = gate_->Submit(parsed->request, "", "openai", deadline, call, &id, &call->log);
+        if (!s.ok()) {
+          SendError(res, ToOpenAiFieldNames(s));
+          return;
+        }
+        CompletionMeta meta;
+        meta.id = "chatcmpl-" + call->log.id;
+        meta.model = config_.model_id;
+        meta.created = std::chrono::duration_cast<std::chrono::seconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
+        const int fd = ConnectionSocket(req);
+        RequestGate* gate = gate_;
 
-    // Server-sent events: the role first, then text as the engine produces it (text produced
-    // while a write was under way goes out as one event), the finish reason, usage when asked,
-    // and [DONE].
-    const bool include_usage = parsed->include_usage;
-    auto started = std::make_shared<bool>(false);
-    res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [call, meta, include_usage, fd, gate, id, started](size_t, httplib::DataSink& sink) {
-          auto send = [&sink](const std::string& json) {
-            const std::string event = "data: " + json + "\n\n";
-            return sink.write(event.data(), event.size());
-          };
-          if (!*started) {
-            *started = true;
-            const std::string role = "assistant", empty;
-            if (!send(ChunkJson(meta, &role, &empty, nullptr, include_usage))) return false;
-          }
+        if (!parsed->stream) {
           std::unique_lock<std::mutex> lock(call->mu);
-          while (call->text.empty() && !call->result) {
+          bool cancelled = false;
+          while (!call->result) {
             call->cv.wait_for(lock, kHangupPoll);
-            if (call->text.empty() && !call->result && PeerGone(fd)) return false;
-          }
-          if (!call->text.empty()) {
-            const std::string text = std::move(call->text);
-            call->text.clear();
-            lock.unlock();
-            return send(ChunkJson(meta, nullptr, &text, nullptr, include_usage));
+            if (!cancelled && !call->result && PeerGone(fd)) {
+              gate->Cancel(id);
+              cancelled = true;
+            }
           }
           const StatusOr<GenerationResult> result = *call->result;
-          const double queue_seconds = call->queue_seconds;
-          lock.unlock();
           if (!result.ok()) {
-            send(ErrorJson(result.status()));
-          } else {
-            if (!send(ChunkJson(meta, nullptr, nullptr, FinishReasonName(result->finish),
-                                include_usage))) {
-              return false;
-            }
-            if (include_usage && !send(UsageChunkJson(meta, *result, queue_seconds))) return false;
-            static const char kDone[] = "data: [DONE]\n\n";
-            if (!sink.write(kDone, sizeof(kDone) - 1)) return false;
+            SendError(res, result.status());
+            return;
           }
-          sink.done();
-          return true;
-        },
-        // Ends with the connection: a stream cut short (the client left, a write failed)
-        // cancels the request; a finished one is unaffected (Cancel ignores finished ids).
-        [gate, id](bool success) {
-          if (!success) gate->Cancel(id);
-        });
-  });
+          res.set_content(CompletionJson(meta, call->text, *result, call->queue_seconds),
+                          "application/json");
+          return;
+        }
+
+        // Server-sent events: the role first, then text as the engine produces it (text produced
+        // while a write was under way goes out as one event), the finish reason, usage when asked,
+        // and [DONE].
+        const bool include_usage = parsed->include_usage;
+        auto started = std::make_shared<bool>(false);
+        res.set_header("Cache-Control", "no-cache");
+        res.set_chunked_content_provider(
+            "text/event-stream",
+            [call, meta, include_usage, fd, gate, id, started](size_t, httplib::DataSink& sink) {
+              auto send = [&sink](const std::string& json) {
+                const std::string event = "data: " + json + "\n\n";
+                return sink.write(event.data(), event.size());
+              };
+              if (!*started) {
+                *started = true;
+                const std::string role = "assistant", empty;
+                if (!send(ChunkJson(meta, &role, &empty, nullptr, include_usage))) return false;
+              }
+              std::unique_lock<std::mutex> lock(call->mu);
+              while (call->text.empty() && !call->result) {
+                call->cv.wait_for(lock, kHangupPoll);
+                if (call->text.empty() && !call->result && PeerGone(fd)) return false;
+              }
+              if (!call->text.empty()) {
+                const std::string text = std::move(call->text);
+                call->text.clear();
+                lock.unlock();
+                return send(ChunkJson(meta, nullptr, &text, nullptr, include_usage));
+              }
+              const StatusOr<GenerationResult> result = *call->result;
+              const double queue_seconds = call->queue_seconds;
+              lock.unlock();
+              if (!result.ok()) {
+                send(ErrorJson(result.status()));
+              } else {
+                if (!send(ChunkJson(meta, nullptr, nullptr, FinishReasonName(result->finish),
+                                    include_usage))) {
+                  return false;
+                }
+                if (include_usage && !send(UsageChunkJson(meta, *result, queue_seconds)))
+                  return false;
+                static const char kDone[] = "data: [DONE]\n\n";
+                if (!sink.write(kDone, sizeof(kDone) - 1)) return false;
+              }
+              sink.done();
+              return true;
+            },
+            // Ends with the connection: a stream cut short (the client left, a write failed)
+            // cancels the request; a finished one is unaffected (Cancel ignores finished ids).
+            [gate, id](bool success) {
+              if (!success) gate->Cancel(id);
+            });
+      });
 
   return StartHttpServer(&http, address, &thread_);
 }

@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "client/base64.h"
+
 namespace llava::server {
 namespace {
 
@@ -21,23 +23,7 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
-std::string Base64(const std::string& bytes) {
-  static const char* kAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  uint32_t acc = 0;
-  int bits = 0;
-  for (unsigned char c : bytes) {
-    acc = (acc << 8) | c;
-    bits += 8;
-    while (bits >= 6) {
-      bits -= 6;
-      out.push_back(kAlphabet[(acc >> bits) & 63]);
-    }
-  }
-  if (bits > 0) out.push_back(kAlphabet[(acc << (6 - bits)) & 63]);
-  while (out.size() % 4 != 0) out.push_back('=');
-  return out;
-}
+std::string Base64(const std::string& bytes) { return client::Base64Encode(bytes); }
 
 const std::string& Png() {
   static const std::string png =
@@ -208,6 +194,10 @@ TEST(OpenAiApi, ErrorsNameTheField) {
 }
 
 TEST(OpenAiApi, UrlSafeBase64AndLineBreaksDecode) {
+  // RFC 4648's test vectors for the encoder the tests and llava-load use.
+  EXPECT_EQ(Base64("f"), "Zg==");
+  EXPECT_EQ(Base64("fo"), "Zm8=");
+  EXPECT_EQ(Base64("foobar"), "Zm9vYmFy");
   const std::string bytes = Png();
   std::string b64 = Base64(bytes);
   std::string wrapped;
