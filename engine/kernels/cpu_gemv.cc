@@ -199,11 +199,15 @@ inline void Store(float* out, float v) { *out = v; }
 // Outputs [r0, r0 + R) of M rows of x, with x in fp32 (xf [M, k]; row i at xf + i * k, its
 // outputs at y + i * n) and the weights and outputs in T (bf16 bit patterns or fp32): R x M
 // accumulators of 8 lanes. Per 8 columns, the R weight vectors are loaded (and widened) once
-// and each x vector is loaded once, so a tile of R * M FMAs costs R + M loads. kPrefetch is
-// false where another tile has just read the same weight rows.
+// and each x vector is loaded once, so a tile of R * M FMAs costs R + M loads. kPrefetch: the
+// tile prefetches its own rows ahead of its loads (false where they are in L2 already). `ahead`,
+// when not null, is a region the tile prefetches evenly over its columns, `stride` bytes a step
+// of 8 columns: the weights of a tile to come (see SkinnyAvx2).
 template <int M, int R, bool kPrefetch = true, typename T>
 __attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const T* w, const T* bias,
-                                                         T* y, int64_t n, int64_t k, int64_t r0) {
+                                                         T* y, int64_t n, int64_t k, int64_t r0,
+                                                         const char* ahead = nullptr,
+                                                         int64_t stride = 0) {
   __m256 acc[R][M];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
@@ -220,6 +224,7 @@ __attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const 
       if constexpr (kPrefetch) PrefetchWeights<R>(wr, r, k, kk, kAhead);
       wv[r] = Load8(wr + r * k + kk);
     }
+    if (ahead != nullptr) _mm_prefetch(ahead + kk / 8 * stride, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       const __m256 xv = _mm256_loadu_ps(xf + i * k + kk);
@@ -240,26 +245,45 @@ __attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const 
 // R weight rows per tile: 8 for one x row (decode at batch 1 is bound by streaming them), fewer
 // as rows are added so that the R * M accumulators, R weight vectors and one x vector fit the 16
 // ymm registers. More than 4 rows of x run as two groups (4 and M - 4) over the same R weight
-// rows, which the second group reads from L1: one tile of 8 x 1 would cost 9 loads per 8 FMAs,
-// two of 4 x 3 cost 7 per 12 (docs/BENCHMARKS.md, "Batch 8, second attempt").
+// rows, which the second group reads from L2: one tile of 8 x 1 would cost 9 loads per 8 FMAs,
+// two of 4 x 3 cost 7 per 12 (docs/BENCHMARKS.md, "Batch 8, second attempt"). With two groups
+// the memory would stream only during the first (it read at the machine's full bandwidth while
+// the second ran from L2), so both groups instead prefetch the next tile's rows (contiguous in
+// w), half each, spread over their columns: every tile after a thread's first finds its weights
+// in L2 and both groups run at the FMAs' pace (docs/BENCHMARKS.md, "Two groups, one stream").
 template <int M, typename T>
 void SkinnyAvx2(const float* xf, const T* w, const T* bias, T* y, int64_t n, int64_t k) {
   constexpr int kFirst = M > 4 ? 4 : M, kSecond = M - kFirst;
   constexpr int R = M == 1 ? 8 : M == 2 ? 6 : M == 3 ? 4 : 3;
-  auto tile = [&](auto rows, int64_t r0) {
-    constexpr int kR = decltype(rows)::value;
-    TileAvx2<kFirst, kR>(xf, w, bias, y, n, k, r0);
-    if constexpr (kSecond > 0) {
-      // The first group has brought these weight rows in; prefetching them again cost ~3%.
-      TileAvx2<kSecond, kR, false>(xf + kFirst * k, w, bias, y + kFirst * n, n, k, r0);
-    }
-  };
   const int64_t blocks = (n + R - 1) / R;
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     const int64_t n1 = std::min(n, b1 * R);
     int64_t r0 = b0 * R;
-    for (; r0 + R <= n1; r0 += R) tile(std::integral_constant<int, R>{}, r0);
-    for (; r0 < n1; ++r0) tile(std::integral_constant<int, 1>{}, r0);
+    if constexpr (kSecond > 0) {
+      // Half the next tile's bytes a group, over k / 8 steps; k % 8 columns are not prefetched.
+      const int64_t half = int64_t{R} * k * static_cast<int64_t>(sizeof(T)) / 2;
+      const int64_t stride = k >= 8 ? half / (k / 8) + 1 : 0;
+      T* ys = y + kFirst * n;
+      const float* xs = xf + kFirst * k;
+      for (bool first = true; r0 + R <= n1; r0 += R, first = false) {
+        const char* next = reinterpret_cast<const char*>(w + (r0 + R) * k);
+        if (r0 + 2 * R > n1) next = nullptr;  // the range's last full tile
+        if (first) {
+          TileAvx2<kFirst, R, true>(xf, w, bias, y, n, k, r0, next, stride);
+        } else {
+          TileAvx2<kFirst, R, false>(xf, w, bias, y, n, k, r0, next, stride);
+        }
+        TileAvx2<kSecond, R, false>(xs, w, bias, ys, n, k, r0, next ? next + half : nullptr,
+                                    stride);
+      }
+      for (; r0 < n1; ++r0) {
+        TileAvx2<kFirst, 1>(xf, w, bias, y, n, k, r0);
+        TileAvx2<kSecond, 1, false>(xs, w, bias, ys, n, k, r0);
+      }
+    } else {
+      for (; r0 + R <= n1; r0 += R) TileAvx2<M, R>(xf, w, bias, y, n, k, r0);
+      for (; r0 < n1; ++r0) TileAvx2<M, 1>(xf, w, bias, y, n, k, r0);
+    }
   });
 }
 
