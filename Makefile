@@ -6,7 +6,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 SOURCES := $(shell git ls-files '*.h' '*.cc' 2>/dev/null)
 
-.PHONY: all deps build build-cuda test image serve generate bench train train-layouts eval-default ship-model test-sanitize format check-format clean
+.PHONY: all deps build build-cuda test image serve generate bench train train-layouts eval-default ship-model test-sanitize fuzz format check-format clean
 
 all: build
 
@@ -95,6 +95,17 @@ test-sanitize: build
 	cmake --build $(BUILD)-asan -j$(JOBS) --target core_tests
 	LLAVA_TEST_DATA=$(abspath $(BUILD))/test-data UBSAN_OPTIONS=halt_on_error=1 \
 	  ./$(BUILD)-asan/core_tests
+	cmake --build $(BUILD)-asan -j$(JOBS) --target fuzz_targets
+	cd $(BUILD)-asan && UBSAN_OPTIONS=halt_on_error=1 ctest -R fuzz_replay --output-on-failure
+
+# The parsers under libFuzzer (clang, ASan+UBSan): tests/fuzz. FUZZ_SECONDS per target from the
+# committed corpora (CI: 20 s each); RUNS=1000000 make fuzz for the runs docs/HARDENING.md records.
+FUZZ_SECONDS ?= 20
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B $(BUILD)-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DLLAVA_FUZZ=ON -DLLAVA_BUILD_TESTS=OFF -DLLAVA_BUILD_BENCH=OFF
+	cmake --build $(BUILD)-fuzz -j$(JOBS) --target fuzz_targets
+	bash scripts/fuzz.sh $(BUILD)-fuzz $(FUZZ_SECONDS)
 
 format:
 	clang-format -i $(SOURCES)

@@ -28,6 +28,7 @@ DEV_PACKAGES=(
   nodejs                              # tests/deploy_schema: Kubernetes API schema validation
   qemu-user                           # the kernels on an emulated AVX2-only CPU (-cpu Haswell)
   openssl                             # tests/server_e2e_test.cc makes its TLS certificates
+  clang libclang-rt-14-dev            # make fuzz: libFuzzer and the sanitizers' runtimes
 )
 # Debian's npm, unless a nodejs that bundles its own (NodeSource's) is installed already.
 command -v npm > /dev/null 2>&1 || DEV_PACKAGES+=(npm)

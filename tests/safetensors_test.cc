@@ -97,5 +97,38 @@ TEST(Safetensors, MissingFileIsNotFound) {
   EXPECT_EQ(f.status().code(), StatusCode::kNotFound);
 }
 
+// The buffer form (the fuzz target's way in) applies the file's checks and keeps the caller's
+// bytes: tensors point into them.
+TEST(Safetensors, FromBufferParsesInPlace) {
+  const std::string bytes =
+      RawFile(R"({"w":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}})", 4);
+  auto f = SafetensorsFile::FromBuffer(bytes.data(), bytes.size(), "in-memory");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_EQ((*f)->tensors().size(), 1u);
+  EXPECT_EQ((*f)->Find("w")->data,
+            reinterpret_cast<const uint8_t*>(bytes.data()) + bytes.size() - 4);
+  auto short_buffer = SafetensorsFile::FromBuffer(bytes.data(), 7, "in-memory");
+  ASSERT_FALSE(short_buffer.ok());
+  EXPECT_NE(short_buffer.status().message().find("in-memory: truncated"), std::string::npos);
+  auto past_end = SafetensorsFile::FromBuffer(bytes.data(), bytes.size() - 1, "in-memory");
+  EXPECT_FALSE(past_end.ok());
+}
+
+TEST(Safetensors, IndexYieldsEachPlainShardOnce) {
+  auto shards = ParseSafetensorsIndex(
+      R"({"weight_map":{"a":"m-1.safetensors","b":"m-2.safetensors","c":"m-1.safetensors"}})",
+      "index.json");
+  ASSERT_TRUE(shards.ok()) << shards.status().ToString();
+  EXPECT_EQ(*shards, (std::vector<std::string>{"m-1.safetensors", "m-2.safetensors"}));
+  for (const char* bad : {"../x.safetensors", "..", ".", "", "sub/x.safetensors"}) {
+    const std::string json = std::string(R"({"weight_map":{"a":")") + bad + R"("}})";
+    auto r = ParseSafetensorsIndex(json, "index.json");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_FALSE(ParseSafetensorsIndex("[]", "index.json").ok());
+  EXPECT_FALSE(ParseSafetensorsIndex(R"({"weight_map":{"a":1}})", "index.json").ok());
+}
+
 }  // namespace
 }  // namespace llava

@@ -73,12 +73,46 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
     file->map_ = nullptr;
     return Internal(path + ": mmap failed");
   }
+  file->owns_map_ = true;
+  LLAVA_RETURN_IF_ERROR(file->Parse());
+  return file;
+}
+
+StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBuffer(const void* data,
+                                                                       size_t size,
+                                                                       const std::string& name) {
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = name;
+  if (size < 8) {
+    return DataLoss(name + ": truncated: " + std::to_string(size) +
+                    " bytes, need at least 8 for the header length");
+  }
+  file->map_ = const_cast<void*>(data);  // read only, as the mapping is
+  file->map_size_ = size;
   LLAVA_RETURN_IF_ERROR(file->Parse());
   return file;
 }
 
 SafetensorsFile::~SafetensorsFile() {
-  if (map_ != nullptr) ::munmap(map_, map_size_);
+  if (owns_map_ && map_ != nullptr) ::munmap(map_, map_size_);
+}
+
+StatusOr<std::vector<std::string>> ParseSafetensorsIndex(const std::string& json,
+                                                         const std::string& origin) {
+  const auto j = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
+    return InvalidArgument(origin + ": weight_map missing or not an object");
+  }
+  std::vector<std::string> shards;
+  for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+    if (!it.value().is_string()) return InvalidArgument(origin + ": bad entry " + it.key());
+    const std::string shard = it.value().get<std::string>();
+    if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos) {
+      return InvalidArgument(origin + ": shard name '" + shard + "' must be a plain file name");
+    }
+    if (std::find(shards.begin(), shards.end(), shard) == shards.end()) shards.push_back(shard);
+  }
+  return shards;
 }
 
 Status SafetensorsFile::Parse() {

@@ -40,6 +40,10 @@ struct TensorInfo {
 class SafetensorsFile {
  public:
   static StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  // The same checks on `size` bytes in memory, which the caller keeps alive and unchanged while
+  // the object lives; `name` stands for the path in errors (the fuzz target's way in).
+  static StatusOr<std::unique_ptr<SafetensorsFile>> FromBuffer(const void* data, size_t size,
+                                                               const std::string& name);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -55,12 +59,18 @@ class SafetensorsFile {
   Status Parse();
 
   std::string path_;
-  void* map_ = nullptr;
+  void* map_ = nullptr;  // the file's mapping, or the caller's buffer (FromBuffer)
   size_t map_size_ = 0;
+  bool owns_map_ = false;
   std::vector<TensorInfo> tensors_;
   std::unordered_map<std::string, size_t> index_;
   std::map<std::string, std::string> metadata_;
 };
+
+// The shard file names of a model.safetensors.index.json (`json`; `origin` names it in errors),
+// in first-use order, each once: a "weight_map" object of tensor name -> plain file name.
+StatusOr<std::vector<std::string>> ParseSafetensorsIndex(const std::string& json,
+                                                         const std::string& origin);
 
 // One tensor to write; `data` must hold numel * DTypeSize(dtype) bytes.
 struct TensorToWrite {

@@ -92,19 +92,7 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::st
     std::ifstream in(index_path);
     std::stringstream ss;
     ss << in.rdbuf();
-    auto j = nlohmann::json::parse(ss.str(), nullptr, false);
-    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-      return InvalidArgument(index_path + ": weight_map missing or not an object");
-    }
-    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) return InvalidArgument(index_path + ": bad entry " + it.key());
-      const std::string shard = it.value().get<std::string>();
-      if (shard.find('/') != std::string::npos) {
-        return InvalidArgument(index_path + ": shard name '" + shard +
-                               "' must be a plain file name");
-      }
-      if (std::find(shards.begin(), shards.end(), shard) == shards.end()) shards.push_back(shard);
-    }
+    LLAVA_ASSIGN_OR_RETURN(shards, ParseSafetensorsIndex(ss.str(), index_path));
   } else if (FileExists(dir + "/model.safetensors")) {
     shards.push_back("model.safetensors");
   } else {

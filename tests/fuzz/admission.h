@@ -1,0 +1,57 @@
+// What the engine does with a converted request before it runs (torch-free): the sampling
+// checks, then PrepareRequest with the shipped model's config and tokenizer (images decoded,
+// template, tokenizer, lengths). Shared by the server-side fuzz targets: whatever a client
+// sends, the request is either refused with INVALID_ARGUMENT naming a field, or it becomes a
+// consistent model input.
+#pragma once
+
+#include <memory>
+
+#include "engine/io/model_config.h"
+#include "engine/io/tokenizer.h"
+#include "engine/serving/request.h"
+#include "engine/serving/sampler.h"
+#include "tests/fuzz/fuzz_util.h"
+
+namespace llava::fuzz {
+
+struct Model {
+  LlavaConfig config;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+
+inline const Model& ShippedModel() {
+  static const Model* model = [] {
+    auto config = LoadLlavaConfig(ModelDir());
+    auto tokenizer = Tokenizer::Load(ModelDir() + "/tokenizer.model");
+    if (!config.ok() || !tokenizer.ok()) std::abort();
+    return new Model{*config, std::move(*tokenizer)};
+  }();
+  return *model;
+}
+
+inline void CheckRefusal(const Status& status) {
+  LLAVA_FUZZ_CHECK(status.code() == StatusCode::kInvalidArgument ||
+                   status.code() == StatusCode::kResourceExhausted);
+  LLAVA_FUZZ_CHECK(!status.message().empty());
+}
+
+inline void CheckAdmission(const GenerationRequest& request) {
+  const Model& model = ShippedModel();
+  EngineLimits limits;
+  limits.image.max_pixels = 1 << 20;  // keep one execution in milliseconds
+  const Status sampling = ValidateSamplingParams(request.sampling, limits.max_tokens_limit);
+  if (!sampling.ok()) return CheckRefusal(sampling);
+  auto prepared =
+      PrepareRequest(request, model.config, *model.tokenizer, limits, request.sampling.max_tokens);
+  if (!prepared.ok()) return CheckRefusal(prepared.status());
+  const ImageProcessorConfig& image = model.config.image_processor;
+  LLAVA_FUZZ_CHECK(!prepared->prompt.ids.empty());
+  LLAVA_FUZZ_CHECK(static_cast<int64_t>(prepared->prompt.ids.size()) +
+                       request.sampling.max_tokens <=
+                   model.config.text.max_position_embeddings);
+  LLAVA_FUZZ_CHECK(static_cast<int64_t>(prepared->pixels.size()) ==
+                   prepared->num_images * 3 * image.crop_height * image.crop_width);
+}
+
+}  // namespace llava::fuzz
