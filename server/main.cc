@@ -66,7 +66,8 @@ int main(int argc, char** argv) {
                  "the model id of the HTTP API (default: the model folder's name)")
       ->envname(env("SERVED_MODEL_NAME"));
   llava::server::TlsFiles tls;
-  app.add_option("--tls-cert", tls.cert, "PEM certificate chain of the gRPC port (TLS)")
+  app.add_option("--tls-cert", tls.cert,
+                 "PEM certificate chain of the gRPC port and the HTTP API (TLS)")
       ->envname(env("TLS_CERT"));
   app.add_option("--tls-key", tls.key, "PEM private key of --tls-cert")->envname(env("TLS_KEY"));
   app.add_option("--tls-client-ca", tls.client_ca,
@@ -237,13 +238,15 @@ int main(int argc, char** argv) {
                             ? static_cast<size_t>(http_max_body_bytes)
                             : static_cast<size_t>(max_image_bytes * max_images / 3 * 4 + (1 << 20));
     oc.threads = http_threads > 0 ? http_threads : max_batch + max_queue + 4;
+    oc.tls = tls;  // the same certificate, key and client CA as the gRPC port
     openai = std::make_unique<llava::server::OpenAiServer>(&gate, oc);
     const int http_port = openai->Start(http_listen);
     if (http_port < 0) {
       spdlog::error("cannot listen on --http-listen {}", http_listen);
       return 1;
     }
-    spdlog::info("OpenAI-compatible API on port {} (model id '{}')", http_port, oc.model_id);
+    spdlog::info("OpenAI-compatible API on port {} ({}, model id '{}')", http_port,
+                 tls.cert.empty() ? "http" : "https", oc.model_id);
   }
 
   grpc::EnableDefaultHealthCheckService(true);

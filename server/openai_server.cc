@@ -117,12 +117,29 @@ OpenAiServer::OpenAiServer(RequestGate* gate, OpenAiServerConfig config)
       config_(std::move(config)),
       created_(std::chrono::duration_cast<std::chrono::seconds>(
                    std::chrono::system_clock::now().time_since_epoch())
-                   .count()),
-      http_(std::make_unique<httplib::Server>()) {}
+                   .count()) {}
 
 OpenAiServer::~OpenAiServer() { Stop(); }
 
 int OpenAiServer::Start(const std::string& address) {
+  if (config_.tls.cert.empty()) {
+    http_ = std::make_unique<httplib::Server>();
+  } else {
+    auto https = HttpsContext::Create(config_.tls);
+    if (!https.ok()) {
+      spdlog::error("HTTP API TLS: {}", https.status().message());
+      return -1;
+    }
+    https_ = std::move(*https);
+    HttpsContext* context = https_.get();
+    auto server = std::make_unique<httplib::SSLServer>(
+        [context](SSL_CTX& ctx) { return context->Configure(ctx); });
+    if (!server->is_valid()) {
+      spdlog::error("HTTP API TLS: cannot set up the TLS context");
+      return -1;
+    }
+    http_ = std::move(server);
+  }
   httplib::Server& http = *http_;
   const int threads = std::max(2, config_.threads);
   http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "server/request_gate.h"
+#include "server/tls.h"
 
 namespace httplib {
 class Server;
@@ -28,6 +29,7 @@ struct OpenAiServerConfig {
   std::string model_id;              // the served model's id in /v1/models and responses
   size_t max_body_bytes = 64 << 20;  // larger bodies: 413
   int threads = 32;                  // worker threads = connections served at once
+  TlsFiles tls;                      // cert and key set: HTTPS (server/tls.h), else plain HTTP
 };
 
 class OpenAiServer {
@@ -43,7 +45,8 @@ class OpenAiServer {
  private:
   RequestGate* gate_;
   OpenAiServerConfig config_;
-  int64_t created_;  // Unix seconds at construction: /v1/models' "created"
+  int64_t created_;                      // Unix seconds at construction: /v1/models' "created"
+  std::unique_ptr<HttpsContext> https_;  // with TLS; outlives http_
   std::unique_ptr<httplib::Server> http_;
   std::thread thread_;
 };

@@ -1,15 +1,21 @@
-// TLS for the gRPC port: the server's certificate and key, optionally a CA whose clients must
-// present certificates (mutual TLS). The files are watched (gRPC's FileWatcherCertificateProvider)
-// and re-read every `reload_seconds`, so a renewed certificate (cert-manager rewrites the Secret's
-// files) is served to new connections without a restart; running streams keep theirs.
+// TLS for the gRPC port and the HTTP API port: the server's certificate and key, optionally a CA
+// whose clients must present certificates (mutual TLS). The files are watched (gRPC's
+// FileWatcherCertificateProvider; HttpsContext for the HTTP API) and re-read every
+// `reload_seconds`, so a renewed certificate (cert-manager rewrites the Secret's files) is served
+// to new connections without a restart; running streams keep theirs.
 #pragma once
 
 #include <grpcpp/security/server_credentials.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "engine/io/status.h"
+
+// OpenSSL's SSL_CTX and SSL.
+struct ssl_ctx_st;
+struct ssl_st;
 
 namespace llava::server {
 
@@ -22,5 +28,32 @@ struct TlsFiles {
 // Insecure credentials when no file is given; an error naming the flag when the files are
 // incomplete or unreadable.
 StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(const TlsFiles& files);
+
+// The HTTP API's side (cpp-httplib's SSLServer, OpenSSL): Configure sets up the server's
+// SSL_CTX with a certificate callback that serves the current pair, re-reading the files when
+// they changed, at most every reload_seconds; a pair that does not load or whose key does not
+// match the certificate is ignored and the previous one kept (gRPC's watcher does the same).
+// The client CA is read once, at start. TLS 1.2 or later. Must outlive the server using it.
+class HttpsContext {
+ public:
+  // Checks and loads the files now; errors name the flag.
+  static StatusOr<std::unique_ptr<HttpsContext>> Create(const TlsFiles& files);
+  ~HttpsContext();
+  // For httplib::SSLServer's constructor (SSL_CTX is OpenSSL's ssl_ctx_st).
+  bool Configure(::ssl_ctx_st& ctx);
+
+ private:
+  struct Identity;
+  explicit HttpsContext(TlsFiles files);
+  // The current pair for a handshake (SSL_CTX_set_cert_cb's callback).
+  static int SelectCertificate(::ssl_st* ssl, void* self);
+  bool ReloadLocked(bool force);
+
+  TlsFiles files_;
+  std::mutex mu_;
+  std::unique_ptr<Identity> identity_;  // guarded by mu_
+  int64_t checked_ns_ = 0;              // steady clock of the last look at the files; mu_
+  std::string stamp_;                   // the files' sizes and mtimes at the last load; mu_
+};
 
 }  // namespace llava::server

@@ -411,9 +411,10 @@ TEST(ServerAuth, ChatClientNeedsTheServersToken) {
   EXPECT_EQ(log.find("s3cr3t"), std::string::npos) << "a token reached the log:\n" << log;
 }
 
-// The gRPC port over mutual TLS with llava-chat: the right CA and client certificate work; no
-// TLS, a wrong CA, no client certificate or one from another CA fail; a renewed certificate is
-// served without a restart, and an expired one is refused by the client.
+// The gRPC port over mutual TLS with llava-chat, and the HTTP API's with curl: the right CA and
+// client certificate work; no TLS, a wrong CA, no client certificate or one from another CA
+// fail; a renewed certificate is served on both ports without a restart, and an expired one is
+// refused by the clients.
 TEST(ServerTls, MutualTlsWrongCaRenewalAndExpiry) {
   const std::string dir = ::testing::TempDir() + "/llava-tls";
   const std::string make_certs = R"(set -e
@@ -452,6 +453,23 @@ TEST(ServerTls, MutualTlsWrongCaRenewalAndExpiry) {
       f += " --tls-cert " + dir + "/" + cert + ".pem --tls-key " + dir + "/" + cert + ".key";
     return chat(f);
   };
+  // GET /v1/models over HTTPS; "https" or "http" as the scheme.
+  auto models = [&](const std::string& ca, const std::string& cert,
+                    const std::string& scheme = "https") {
+    std::string cmd = "curl -sS --max-time 10 --cacert " + dir + "/" + ca + ".pem";
+    if (!cert.empty())
+      cmd += " --cert " + dir + "/" + cert + ".pem --key " + dir + "/" + cert + ".key";
+    return ::llava::testing::RunCommand(cmd + " " + scheme + "://127.0.0.1:" +
+                                        std::to_string(server.http_port()) + "/v1/models 2>&1");
+  };
+  const std::string listed = "\"object\":\"list\"";
+  ASSERT_GT(server.http_port(), 0) << server.Log();
+  EXPECT_NE(models("ca1", "client").find(listed), std::string::npos) << models("ca1", "client");
+  EXPECT_EQ(models("ca1", "client", "http").find(listed), std::string::npos) << "plain HTTP";
+  EXPECT_EQ(models("ca2", "client").find(listed), std::string::npos) << "HTTP API, wrong CA";
+  EXPECT_EQ(models("ca1", "").find(listed), std::string::npos) << "HTTP API, no client cert";
+  EXPECT_EQ(models("ca1", "rogue").find(listed), std::string::npos)
+      << "HTTP API, a client certificate of another CA";
   const std::string ok = "[FINISH_REASON_";
   EXPECT_NE(with("ca1", "client").find(ok), std::string::npos) << with("ca1", "client");
   EXPECT_EQ(chat("").find(ok), std::string::npos) << "plaintext against a TLS port";
@@ -472,6 +490,16 @@ TEST(ServerTls, MutualTlsWrongCaRenewalAndExpiry) {
       << "the renewed certificate was not served: " << renewed;
   EXPECT_EQ(with("ca1", "client").find(ok), std::string::npos)
       << "the old certificate is still served";
+  std::string renewed_http;
+  for (int i = 0; i < 50 && renewed_http.find(listed) == std::string::npos; ++i) {
+    renewed_http = models("ca2", "client");
+    if (renewed_http.find(listed) == std::string::npos)
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_NE(renewed_http.find(listed), std::string::npos)
+      << "the HTTP API did not serve the renewed certificate: " << renewed_http;
+  EXPECT_EQ(models("ca1", "client").find(listed), std::string::npos)
+      << "the HTTP API still serves the old certificate";
   // An expired certificate (valid for 0 days) of the same CA as a valid one: clients refuse it.
   auto serve = [&](const std::string& name) {
     ::llava::testing::RunCommand("cd " + dir + " && cp " + name + ".key live.key.new && cp " +
@@ -491,6 +519,8 @@ TEST(ServerTls, MutualTlsWrongCaRenewalAndExpiry) {
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   EXPECT_EQ(with("ca1", "client").find(ok), std::string::npos)
       << "an expired certificate was accepted";
+  EXPECT_EQ(models("ca1", "client").find(listed), std::string::npos)
+      << "the HTTP API's expired certificate was accepted";
 }
 
 // Scale-out that works for gRPC: one client channel over two servers spreads its requests

@@ -85,6 +85,13 @@ class ServerProcess {
     return out;
   }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  // The OpenAI-compatible API's port, from the log (-1 when it is off).
+  int http_port() const {
+    std::smatch m;
+    const std::string text = Log();
+    static const std::regex re("OpenAI-compatible API on port ([0-9]+)");
+    return std::regex_search(text, m, re) ? std::stoi(m[1]) : -1;
+  }
   std::string Log() const {
     std::ifstream in(log_);
     std::stringstream ss;
