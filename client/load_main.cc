@@ -240,7 +240,11 @@ int main(int argc, char** argv) {
       auto stub = llava::v1::LlavaService::NewStub(channel);
       std::unique_ptr<httplib::Client> client;
       if (!http.empty()) {
-        client = std::make_unique<httplib::Client>(http);
+        // An https:// URL verifies the server against --tls-ca (the system's CAs without it)
+        // and presents --tls-cert/--tls-key when given (mutual TLS).
+        client = tls.cert.empty() ? std::make_unique<httplib::Client>(http)
+                                  : std::make_unique<httplib::Client>(http, tls.cert, tls.key);
+        if (!tls.ca.empty()) client->set_ca_cert_path(tls.ca);
         client->set_read_timeout(600, 0);
         client->set_keep_alive(true);
         client->set_tcp_nodelay(true);  // headers and body go out as two writes
