@@ -86,7 +86,8 @@ build-cuda: deps
 bench: build
 	./$(BUILD)/llava-bench
 
-# Torch-free code under AddressSanitizer + UndefinedBehaviorSanitizer.
+# Torch-free code under AddressSanitizer + UndefinedBehaviorSanitizer: the core suites, the fuzz
+# corpora and the server layer against a scripted engine (gRPC, HTTP, auth, TLS; no model).
 # The tiny checkpoints come from the regular build's test fixture.
 test-sanitize: build
 	cd $(BUILD) && ctest -R make_tiny_checkpoints --output-on-failure
@@ -95,8 +96,9 @@ test-sanitize: build
 	cmake --build $(BUILD)-asan -j$(JOBS) --target core_tests
 	LLAVA_TEST_DATA=$(abspath $(BUILD))/test-data UBSAN_OPTIONS=halt_on_error=1 \
 	  ./$(BUILD)-asan/core_tests
-	cmake --build $(BUILD)-asan -j$(JOBS) --target fuzz_targets
+	cmake --build $(BUILD)-asan -j$(JOBS) --target fuzz_targets server_fake_tests
 	cd $(BUILD)-asan && UBSAN_OPTIONS=halt_on_error=1 ctest -R fuzz_replay --output-on-failure
+	UBSAN_OPTIONS=halt_on_error=1 ./$(BUILD)-asan/server_fake_tests
 
 # The parsers under libFuzzer (clang, ASan+UBSan): tests/fuzz. FUZZ_SECONDS per target from the
 # committed corpora (CI: 20 s each); RUNS=1000000 make fuzz for the runs docs/HARDENING.md records.

@@ -213,25 +213,6 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
 
 }  // namespace
 
-ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std::string& dtype) {
-  const LlavaConfig& c = model.config();
-  const KvLayout layout = model.kv_layout();
-  ModelFacts f;
-  // The folder's name only: the server's file system layout is none of the client's business.
-  std::string dir = path;
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  f.model_path = dir.substr(dir.find_last_of('/') + 1);
-  f.dtype = dtype;
-  if (model.options().device.rfind("cuda", 0) != 0) f.cpu_path = CpuPathName(ActiveCpuPath());
-  f.vocab_size = c.text.vocab_size;
-  f.context_length = c.text.max_position_embeddings;
-  f.image_size = c.vision.image_size;
-  f.image_tokens = c.image_tokens();
-  f.num_layers = layout.num_layers;
-  f.kv_bytes_per_token = layout.num_layers * layout.bytes_per_entry();
-  return f;
-}
-
 LlavaServiceImpl::LlavaServiceImpl(RequestGate* gate, ServiceConfig config)
     : gate_(gate), config_(std::move(config)) {}
 

@@ -21,7 +21,6 @@ struct ModelFacts {
   int vocab_size = 0, context_length = 0, image_size = 0, image_tokens = 0, num_layers = 0;
   int64_t kv_bytes_per_token = 0;
 };
-ModelFacts FactsOf(const LoadedModel& model, const std::string& path, const std::string& dtype);
 
 struct ServiceConfig {
   RequestDefaults defaults;

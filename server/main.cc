@@ -27,6 +27,28 @@ namespace {
 volatile std::sig_atomic_t g_signal = 0;
 void OnSignal(int sig) { g_signal = sig; }
 
+// Facts about the loaded model for GetModelInfo.
+llava::server::ModelFacts FactsOf(const llava::LoadedModel& model, const std::string& path,
+                                  const std::string& dtype) {
+  const llava::LlavaConfig& c = model.config();
+  const llava::KvLayout layout = model.kv_layout();
+  llava::server::ModelFacts f;
+  // The folder's name only: the server's file system layout is none of the client's business.
+  std::string dir = path;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  f.model_path = dir.substr(dir.find_last_of('/') + 1);
+  f.dtype = dtype;
+  if (model.options().device.rfind("cuda", 0) != 0)
+    f.cpu_path = llava::CpuPathName(llava::ActiveCpuPath());
+  f.vocab_size = c.text.vocab_size;
+  f.context_length = c.text.max_position_embeddings;
+  f.image_size = c.vision.image_size;
+  f.image_tokens = c.image_tokens();
+  f.num_layers = layout.num_layers;
+  f.kv_bytes_per_token = layout.num_layers * layout.bytes_per_entry();
+  return f;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -192,7 +214,7 @@ int main(int argc, char** argv) {
   llava::Engine engine(**loaded, eo);
 
   llava::server::ServiceConfig sc;
-  sc.model = llava::server::FactsOf(**loaded, model_dir, dtype);
+  sc.model = FactsOf(**loaded, model_dir, dtype);
   sc.max_tokens_limit = max_tokens_limit;
   sc.kv_cache_bytes = eo.kv_cache_bytes;
   sc.defaults.max_tokens = default_max_tokens;

@@ -51,6 +51,12 @@ class ScriptedEngine : public EngineApi {
     cv_.notify_all();
   }
   EngineSnapshot Snapshot() const override { return {}; }
+  // Cancel() runs on gRPC's threads: read the list under the lock (ThreadSanitizer found the
+  // test reading it unlocked while a cancellation grew it).
+  size_t CancelledCount() {
+    std::lock_guard<std::mutex> l(mu_);
+    return cancelled.size();
+  }
 
   Status submit_status;
   std::vector<std::string> deltas = {"Hel", "lo", " wor", "ld"};
@@ -70,7 +76,7 @@ class ScriptedEngine : public EngineApi {
   }();
   bool wait_for_cancel = false;
   GenerationRequest last_request;
-  std::vector<uint64_t> cancelled;
+  std::vector<uint64_t> cancelled;  // guarded by mu_
 
  private:
   std::mutex mu_;
@@ -236,8 +242,8 @@ TEST_F(FakeEngineServiceTest, ClientCancellationReachesTheEngine) {
   while (reader->Read(&c)) {
   }
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  for (int i = 0; i < 500 && engine_.cancelled.empty(); ++i) std::this_thread::sleep_for(10ms);
-  EXPECT_EQ(engine_.cancelled.size(), 1u);
+  for (int i = 0; i < 500 && engine_.CancelledCount() == 0; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(engine_.CancelledCount(), 1u);
 }
 
 TEST_F(FakeEngineServiceTest, AnExpiredDeadlineCountsAsDeadlineExceeded) {
@@ -248,8 +254,8 @@ TEST_F(FakeEngineServiceTest, AnExpiredDeadlineCountsAsDeadlineExceeded) {
   ctx.set_deadline(std::chrono::system_clock::now() + 300ms);
   v1::ChatResponse resp;
   EXPECT_EQ(stub_->Chat(&ctx, Request(), &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
-  for (int i = 0; i < 500 && engine_.cancelled.empty(); ++i) std::this_thread::sleep_for(10ms);
-  ASSERT_EQ(engine_.cancelled.size(), 1u);
+  for (int i = 0; i < 500 && engine_.CancelledCount() == 0; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(engine_.CancelledCount(), 1u);
   std::this_thread::sleep_for(100ms);  // the observer's OnFinished runs after Cancel
   const std::string text = metrics_.Serialize();
   EXPECT_NE(text.find("llava_request_status_total{api=\"grpc\",code=\"DEADLINE_EXCEEDED\"} 1"),
