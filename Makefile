@@ -101,7 +101,7 @@ test-sanitize: build
 	UBSAN_OPTIONS=halt_on_error=1 ./$(BUILD)-asan/server_fake_tests
 
 # The parsers under libFuzzer (clang, ASan+UBSan): tests/fuzz. FUZZ_SECONDS per target from the
-# committed corpora (CI: 20 s each); RUNS=1000000 make fuzz for the runs docs/HARDENING.md records.
+# committed corpora (CI: 20 s each); RUNS=1000000 make fuzz for the runs tests/fuzz/README.md records.
 FUZZ_SECONDS ?= 20
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B $(BUILD)-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
