@@ -204,27 +204,37 @@ TEST(ElasticPinned, SinksAndTheProtectedSpans) {
   PromptSegments s = TwelveTokenPrompt();
   s.system = {1, 2};
   EXPECT_EQ(ElasticPinned(Elastic(0.5), s, 12), (std::vector<int64_t>{0}));  // paper: sinks
-  // Budget 1: 12 entries, half of them (6) for the sink and the spans: all fit.
+  // Budget 1: 12 entries, half of them (6) for the sink and the spans. The product pins the
+  // instruction, not the system prompt (docs/POLICIES.md, "The system prompt is not pinned").
   CacheParams p = Product(1.0);
-  EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 1, 8, 9, 10, 11}));
-  p.elastic.protect_system = false;
+  EXPECT_FALSE(p.elastic.protect_system);
   EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 8, 9, 10, 11}));
+  p.elastic.protect_system = true;
+  EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 1, 8, 9, 10, 11}));
   // Budget 0.5: 6 entries, 3 pinned at most: the sink and the instruction's last two.
-  EXPECT_EQ(ElasticPinned(Product(0.5), s, 12), (std::vector<int64_t>{0, 10, 11}));
+  p.budget = 0.5;
+  EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 10, 11}));
 
   // The paper's layout: a question before the image is kept after the instruction, then the
-  // system prompt, each from its end, within half of the budget.
+  // system prompt when asked for, each from its end, within half of the budget.
   PromptSegments paper;
   paper.system = {1, 3};
   paper.question = {3, 6};
   paper.images = {{6, 20}};
   paper.instruction = {20, 24};
   EXPECT_EQ(ElasticPinned(Product(1.0), paper, 24),
+            (std::vector<int64_t>{0, 3, 4, 5, 20, 21, 22, 23}));
+  CacheParams with_system = Product(1.0);
+  with_system.elastic.protect_system = true;
+  EXPECT_EQ(ElasticPinned(with_system, paper, 24),
             (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 20, 21, 22, 23}));
   // 0.75: 18 entries, 9 pinned: the instruction, the question, the system prompt's end.
-  EXPECT_EQ(ElasticPinned(Product(0.75), paper, 24),
+  with_system.budget = 0.75;
+  EXPECT_EQ(ElasticPinned(with_system, paper, 24),
             (std::vector<int64_t>{0, 2, 3, 4, 5, 20, 21, 22, 23}));
   // 0.5: 12 entries, 6 pinned: the instruction and the question's last token.
+  with_system.budget = 0.5;
+  EXPECT_EQ(ElasticPinned(with_system, paper, 24), (std::vector<int64_t>{0, 5, 20, 21, 22, 23}));
   EXPECT_EQ(ElasticPinned(Product(0.5), paper, 24), (std::vector<int64_t>{0, 5, 20, 21, 22, 23}));
   EXPECT_EQ(ElasticPinned(Elastic(0.5), paper, 24), (std::vector<int64_t>{0}));
 }

@@ -28,7 +28,9 @@ ElasticParams ElasticPreset(ElasticVariant v) {
   if (v == ElasticVariant::kPaper) return p;
   // The product default (docs/POLICIES.md, "Elastic that keeps the question").
   p.protect_instruction = true;
-  p.protect_system = true;
+  // The system prompt is boilerplate that no answer reads: pinned, it took a third of the
+  // budget from the image in the paper's layout (docs/POLICIES.md).
+  p.protect_system = false;
   p.importance = ImportanceMode::kInstruction;
   p.merge_scope = MergeScope::kSegment;
   p.weighted_merge = true;
