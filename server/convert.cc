@@ -149,6 +149,7 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
   if (e.has_protect_instruction()) cp.elastic.protect_instruction = e.protect_instruction();
   if (e.has_protect_system()) cp.elastic.protect_system = e.protect_system();
   if (e.has_weighted_merge()) cp.elastic.weighted_merge = e.weighted_merge();
+  if (e.has_merge_keys()) cp.elastic.merge_keys = e.merge_keys();
   switch (e.importance()) {
     case v1::IMPORTANCE_MODE_UNSPECIFIED:
       break;

@@ -324,7 +324,13 @@ TEST(ParseCacheSpec, PresetsAndOptions) {
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->elastic_variant, ElasticVariant::kProduct);
   EXPECT_TRUE(p->elastic.protect_instruction);
+  EXPECT_FALSE(p->elastic.protect_system);
+  EXPECT_FALSE(p->elastic.merge_keys);
   EXPECT_EQ(p->elastic.eviction, DecodeEviction::kScored);
+  p = ParseCacheSpec("elastic+merge_keys=1");
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(p->elastic.merge_keys);
+  EXPECT_FALSE(ParseCacheSpec("elastic+merge_keys=2").ok());
   p = ParseCacheSpec("elastic+paper+importance=mean+recent=7+weighted=1");
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ(p->elastic_variant, ElasticVariant::kPaper);
@@ -332,6 +338,7 @@ TEST(ParseCacheSpec, PresetsAndOptions) {
   EXPECT_EQ(p->elastic.importance, ImportanceMode::kMean);
   EXPECT_EQ(p->elastic.merge_scope, MergeScope::kNearest);
   EXPECT_TRUE(p->elastic.weighted_merge);
+  EXPECT_TRUE(p->elastic.merge_keys);  // the paper averages keys too
   EXPECT_EQ(p->elastic.recent_distance, 7);
   EXPECT_EQ(p->elastic.eviction, DecodeEviction::kFixedPoint);
   p = ParseCacheSpec("elastic_drop");

@@ -122,6 +122,30 @@ TEST(ElasticImportance, InstructionModeCountsOnlyTheInstructionsRows) {
   }
 }
 
+// merge_keys: with every column sum equal, the anchors are the earliest free positions (1, 2,
+// 3; K = 5 with {0, 9} protected) and 4..8 join anchor 3. Row i holds key (i, i) and value
+// (i, -i): the bucket's mean is 5.5. The paper averages both; the product keeps the anchor's key.
+TEST(ElasticMerge, KeysAreAveragedOnlyWhenAsked) {
+  const int64_t t = 10;
+  const at::Tensor rows = at::arange(t, at::kFloat).view({1, t, 1}).repeat({1, 1, 2});
+  const at::Tensor values = rows * at::tensor({1.f, -1.f});
+  for (bool merge_keys : {true, false}) {
+    CacheParams p = Params(CachePolicy::kElastic, 0.5, 25, 1);
+    p.elastic.merge_keys = merge_keys;
+    auto cache = NewPolicyKvCache(OneLayerLayout(), p);
+    cache->Append(0, rows, values);
+    cache->ObserveAttention(0, at::eye(t).unsqueeze(0));
+    cache->OnForwardDone(t);
+    ASSERT_EQ(cache->Positions(0), (std::vector<int64_t>{0, 1, 2, 3, 9}));
+    const at::Tensor k = cache->Keys(0), v = cache->Values(0);  // [1, 5, 2]
+    EXPECT_FLOAT_EQ(k[0][3][0].item<float>(), merge_keys ? 5.5f : 3.f) << merge_keys;
+    EXPECT_FLOAT_EQ(k[0][3][1].item<float>(), merge_keys ? 5.5f : 3.f) << merge_keys;
+    EXPECT_FLOAT_EQ(v[0][3][0].item<float>(), 5.5f);
+    EXPECT_FLOAT_EQ(v[0][3][1].item<float>(), -5.5f);
+    EXPECT_FLOAT_EQ(k[0][4][0].item<float>(), 9.f);  // the protected last position
+  }
+}
+
 class PolicyCacheTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {

@@ -201,6 +201,7 @@ TEST_F(FakeEngineServiceTest, ElasticOptionsApplyOverTheVariant) {
   EXPECT_EQ(p.elastic.importance, ImportanceMode::kMean);
   EXPECT_TRUE(p.elastic.protect_instruction);
   EXPECT_FALSE(p.elastic.protect_system);                  // the paper's
+  EXPECT_TRUE(p.elastic.merge_keys);                       // the paper's
   EXPECT_EQ(p.elastic.merge_scope, MergeScope::kNearest);  // the paper's
   EXPECT_EQ(p.elastic.recent_distance, 9);
 

@@ -34,6 +34,7 @@ ElasticParams ElasticPreset(ElasticVariant v) {
   p.importance = ImportanceMode::kInstruction;
   p.merge_scope = MergeScope::kSegment;
   p.weighted_merge = true;
+  p.merge_keys = false;
   p.eviction = DecodeEviction::kScored;
   return p;
 }
@@ -164,6 +165,8 @@ StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& b
       LLAVA_ASSIGN_OR_RETURN(e.importance, ParseImportanceMode(v));
     } else if (key == "merge_scope") {
       LLAVA_ASSIGN_OR_RETURN(e.merge_scope, ParseMergeScope(v));
+    } else if (key == "merge_keys") {
+      LLAVA_ASSIGN_OR_RETURN(e.merge_keys, flag(key, v));
     } else if (key == "weighted") {
       LLAVA_ASSIGN_OR_RETURN(e.weighted_merge, flag(key, v));
     } else if (key == "evict") {

@@ -56,6 +56,9 @@ struct ElasticParams {
   MergeScope merge_scope = MergeScope::kNearest;
   // Anchors become the importance-weighted mean of their bucket instead of the plain mean.
   bool weighted_merge = false;
+  // Keys are averaged with the values (the paper). false: an anchor keeps its own key (its
+  // rotary position and what queries match), and only its value becomes the bucket's mean.
+  bool merge_keys = true;
   DecodeEviction eviction = DecodeEviction::kFixedPoint;
   // An ablation (llava-eval only): false keeps the same anchors and drops the other entries.
   bool merge = true;

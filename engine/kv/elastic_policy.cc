@@ -198,6 +198,7 @@ MergePlan PlanElasticMerge(const std::vector<float>& importance, const CachePara
     plan.bucket[i] = plan.bucket[best];
     ++plan.merged;
   }
+  plan.merge_keys = e.merge_keys;
   if (e.weighted_merge && plan.merged > 0) {
     plan.weight.resize(t);
     for (int64_t i = 0; i < t; ++i) plan.weight[i] = std::max(0.f, importance[i]) + 1e-6f;

@@ -215,11 +215,14 @@ class CompressingKvCache final : public KvCache {
     merged_ += plan.merged;
     evicted_ += plan.dropped;
     if (static_cast<int64_t>(plan.kept.size()) == t) return;  // nothing to drop or merge
+    auto kept = [&](const at::Tensor& rows) {
+      return rows.index_select(1, at::tensor(plan.kept, at::kLong).to(rows.device()));
+    };
     if (plan.merged > 0) {
-      buf.Assign(MergeRows(buf.Keys(), plan), MergeRows(buf.Values(), plan));
+      buf.Assign(plan.merge_keys ? MergeRows(buf.Keys(), plan) : kept(buf.Keys()),
+                 MergeRows(buf.Values(), plan));
     } else {
-      at::Tensor idx = at::tensor(plan.kept, at::kLong).to(buf.Keys().device());
-      buf.Assign(buf.Keys().index_select(1, idx), buf.Values().index_select(1, idx));
+      buf.Assign(kept(buf.Keys()), kept(buf.Values()));
     }
     std::vector<int64_t> pos;
     for (int64_t i : plan.kept) pos.push_back(positions_[l][i]);

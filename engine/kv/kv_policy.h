@@ -27,6 +27,7 @@ struct MergePlan {
   std::vector<int64_t> bucket;  // [len] index into `kept` each entry is averaged into, or -1
                                 // when dropped
   std::vector<float> weight;    // [len] each entry's weight in its bucket's mean; empty: equal
+  bool merge_keys = true;       // false: a kept entry keeps its own key; only values are averaged
   std::vector<bool> pinned;     // [kept.size()] never evicted while decoding; empty: none
   int64_t merged = 0;           // entries folded into another (the anchor not counted)
   int64_t dropped = 0;
