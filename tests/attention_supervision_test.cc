@@ -9,6 +9,7 @@
 #include "engine/model/weights.h"
 #include "tests/test_util.h"
 #include "train/checkpoint_writer.h"
+#include "train/training_data.h"
 
 namespace llava {
 namespace {
@@ -86,6 +87,44 @@ TEST(AttentionSupervision, SameLogitsTermsFromTheSupervisedLayerOnly) {
       EXPECT_GT(g, 0.0) << name;
     }
   }
+}
+
+// --attn-every-row: each short answer's target is repeated for the rows that predict its later
+// tokens (not its </s>), with the same parts; descriptions keep one row. The same conversations
+// (same seed) with and without it.
+TEST(TrainingData, EveryAnswerRowRepeatsTheFirstRowsTarget) {
+  const std::string dir = ::llava::testing::SourceDir() + "/models/shapes-llava";
+  auto tok = Tokenizer::Load(dir + "/tokenizer.model");
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  auto config = LoadLlavaConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  train::DataMix mix;
+  mix.conversation.describe = 0.3;
+  int repeated = 0;
+  for (int b = 0; b < 16; ++b) {
+    mix.every_answer_row = false;
+    const train::Example first = train::MakeExample(**tok, *config, 5, 0, b, mix);
+    mix.every_answer_row = true;
+    const train::Example every = train::MakeExample(**tok, *config, 5, 0, b, mix);
+    ASSERT_EQ(first.ids, every.ids);
+    ASSERT_GE(every.attn_targets.size(), first.attn_targets.size());
+    for (const AttentionTarget& t : first.attn_targets) {
+      // This answer's rows: from t.row up to, not including, the row that predicts </s>.
+      int64_t end = t.row + 1;
+      while (first.ids[end] != (*tok)->eos_id()) ++end;
+      --end;
+      int found = 0;
+      for (const AttentionTarget& e : every.attn_targets) {
+        if (e.row < t.row || e.row >= end) continue;
+        EXPECT_EQ(e.parts, t.parts);
+        EXPECT_EQ(e.kind, t.kind);
+        ++found;
+      }
+      EXPECT_EQ(found, t.kind == "describe" ? 1 : end - t.row) << t.kind << " row " << t.row;
+      repeated += found - 1;
+    }
+  }
+  EXPECT_GT(repeated, 0);
 }
 
 }  // namespace

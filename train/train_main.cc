@@ -155,6 +155,10 @@ void AddFlags(CLI::App& app, TrainFlags& f) {
                  "names (every object for \"How many objects are there?\"; all on <s> when none "
                  "is there), so that the share on <s> tells how many there are")
       ->capture_default_str();
+  app.add_option("--attn-every-row", f.mix.every_answer_row,
+                 "a short answer's every token row gets the attention target, not only the row "
+                 "that predicts its first token")
+      ->capture_default_str();
   app.add_option("--attn-report", f.attn_report,
                  "print, at the end, every head's attention mass on the named objects in "
                  "--attn-layers per question kind (with --lr 0: a probe of any checkpoint)")

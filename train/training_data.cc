@@ -56,11 +56,13 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
   }
   ex->labels.assign(all->ids.size(), kIgnoreLabel);
   size_t end = 0;
+  std::vector<size_t> answer_ends;  // each answer's </s>
   for (size_t start : answer_starts) {
     size_t t = start;
     while (t < all->ids.size() && all->ids[t] != tok.eos_id()) ++t;
     if (t == all->ids.size()) return false;
     for (size_t u = start; u <= t; ++u) ex->labels[u - 1] = all->ids[u];
+    answer_ends.push_back(t);
     end = t + 1;
   }
   ex->ids.assign(all->ids.begin(), all->ids.begin() + end);
@@ -100,7 +102,17 @@ bool BuildExample(const llava::Tokenizer& tok, const llava::LlavaConfig& config,
       for (const auto& o : objects)
         target.parts[0].insert(target.parts[0].end(), o.begin(), o.end());
     }
-    if (!target.parts.empty()) ex->attn_targets.push_back(std::move(target));
+    if (target.parts.empty()) continue;
+    // The rows that predict the answer's later tokens (not its </s>), for short answers.
+    const int64_t last_row = turns[i].kind == "describe" || !mix.every_answer_row
+                                 ? target.row
+                                 : static_cast<int64_t>(answer_ends[i]) - 2;
+    for (int64_t row = target.row + 1; row <= last_row; ++row) {
+      llava::AttentionTarget more = target;
+      more.row = row;
+      ex->attn_targets.push_back(std::move(more));
+    }
+    ex->attn_targets.push_back(std::move(target));
   }
   return true;
 }

@@ -40,7 +40,10 @@ struct DataMix {
   llava::shapes::ConversationMix conversation;
   bool absent_to_bos = false;  // --attn-absent: nothing named is there -> all on <s>
   bool per_object = false;     // --attn-count: <s> and each named object an equal share
-  bool patch_labels = false;   // --patch-weight: label every image patch (Example::patch_*)
+  // --attn-every-row: a short answer's every token row gets the target, not only the row that
+  // predicts its first token (the rows that write "small red circle" look the object up too)
+  bool every_answer_row = false;
+  bool patch_labels = false;  // --patch-weight: label every image patch (Example::patch_*)
   // --paper-layout: this share of conversations in the Elastic Cache paper's layout (llava_v1
   // system prompt, the first question before the image); the others image-first.
   double paper_layout = 0;
