@@ -22,6 +22,17 @@ Status Readable(const std::string& path, const std::string& flag) {
   return Status::Ok();
 }
 
+// --tls-cert and --tls-key (both set) and --tls-client-ca (if set) are readable PEM files.
+Status CheckTlsFiles(const TlsFiles& f) {
+  if (f.cert.empty() || f.key.empty()) {
+    return InvalidArgument("--tls-cert and --tls-key go together");
+  }
+  LLAVA_RETURN_IF_ERROR(Readable(f.cert, "--tls-cert"));
+  LLAVA_RETURN_IF_ERROR(Readable(f.key, "--tls-key"));
+  if (!f.client_ca.empty()) LLAVA_RETURN_IF_ERROR(Readable(f.client_ca, "--tls-client-ca"));
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(const TlsFiles& f) {
@@ -30,12 +41,7 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(const T
       return InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key");
     return grpc::InsecureServerCredentials();
   }
-  if (f.cert.empty() || f.key.empty()) {
-    return InvalidArgument("--tls-cert and --tls-key go together");
-  }
-  LLAVA_RETURN_IF_ERROR(Readable(f.cert, "--tls-cert"));
-  LLAVA_RETURN_IF_ERROR(Readable(f.key, "--tls-key"));
-  if (!f.client_ca.empty()) LLAVA_RETURN_IF_ERROR(Readable(f.client_ca, "--tls-client-ca"));
+  LLAVA_RETURN_IF_ERROR(CheckTlsFiles(f));
   auto provider = f.client_ca.empty()
                       ? std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
                             f.key, f.cert, f.reload_seconds)
@@ -90,11 +96,7 @@ HttpsContext::HttpsContext(TlsFiles files) : files_(std::move(files)) {}
 HttpsContext::~HttpsContext() = default;
 
 StatusOr<std::unique_ptr<HttpsContext>> HttpsContext::Create(const TlsFiles& f) {
-  if (f.cert.empty() || f.key.empty())
-    return InvalidArgument("--tls-cert and --tls-key go together");
-  LLAVA_RETURN_IF_ERROR(Readable(f.cert, "--tls-cert"));
-  LLAVA_RETURN_IF_ERROR(Readable(f.key, "--tls-key"));
-  if (!f.client_ca.empty()) LLAVA_RETURN_IF_ERROR(Readable(f.client_ca, "--tls-client-ca"));
+  LLAVA_RETURN_IF_ERROR(CheckTlsFiles(f));
   std::unique_ptr<HttpsContext> context(new HttpsContext(f));
   std::lock_guard<std::mutex> lock(context->mu_);
   if (!context->ReloadLocked(/*force=*/true)) {

@@ -5,30 +5,11 @@
 // consistent model input.
 #pragma once
 
-#include <memory>
-
-#include "engine/io/model_config.h"
-#include "engine/io/tokenizer.h"
 #include "engine/serving/request.h"
 #include "engine/serving/sampler.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace llava::fuzz {
-
-struct Model {
-  LlavaConfig config;
-  std::unique_ptr<Tokenizer> tokenizer;
-};
-
-inline const Model& ShippedModel() {
-  static const Model* model = [] {
-    auto config = LoadLlavaConfig(ModelDir());
-    auto tokenizer = Tokenizer::Load(ModelDir() + "/tokenizer.model");
-    if (!config.ok() || !tokenizer.ok()) std::abort();
-    return new Model{*config, std::move(*tokenizer)};
-  }();
-  return *model;
-}
 
 inline void CheckRefusal(const Status& status) {
   LLAVA_FUZZ_CHECK(status.code() == StatusCode::kInvalidArgument ||

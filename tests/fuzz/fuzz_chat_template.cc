@@ -14,14 +14,12 @@
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {
-std::unique_ptr<llava::Tokenizer> tokenizer;
+const llava::Tokenizer* tokenizer = nullptr;
 constexpr int kImageTokens = 5;
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  auto t = llava::Tokenizer::Load(llava::fuzz::ModelDir() + "/tokenizer.model");
-  if (!t.ok()) std::abort();
-  tokenizer = std::move(*t);
+  tokenizer = llava::fuzz::ShippedModel().tokenizer.get();
   return 0;
 }
 

@@ -15,16 +15,11 @@
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {
-std::unique_ptr<llava::Tokenizer> tokenizer;
+const llava::Tokenizer* tokenizer = nullptr;
 }
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  auto t = llava::Tokenizer::Load(llava::fuzz::ModelDir() + "/tokenizer.model");
-  if (!t.ok()) {
-    std::fprintf(stderr, "fuzz_tokenizer: %s\n", t.status().ToString().c_str());
-    std::abort();
-  }
-  tokenizer = std::move(*t);
+  tokenizer = llava::fuzz::ShippedModel().tokenizer.get();
   return 0;
 }
 

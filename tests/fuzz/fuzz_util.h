@@ -3,7 +3,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
+
+#include "engine/io/model_config.h"
+#include "engine/io/tokenizer.h"
 
 namespace llava::fuzz {
 
@@ -21,6 +25,25 @@ namespace llava::fuzz {
 inline std::string ModelDir() {
   const char* env = std::getenv("LLAVA_FUZZ_MODEL");
   return env != nullptr ? env : LLAVA_FUZZ_DEFAULT_MODEL;
+}
+
+// The shipped model's config and tokenizer, loaded once; aborts if they cannot be read.
+struct Model {
+  LlavaConfig config;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+
+inline const Model& ShippedModel() {
+  static const Model* model = [] {
+    auto config = LoadLlavaConfig(ModelDir());
+    auto tokenizer = Tokenizer::Load(ModelDir() + "/tokenizer.model");
+    if (!config.ok() || !tokenizer.ok()) {
+      std::fprintf(stderr, "fuzz: cannot load the model in %s\n", ModelDir().c_str());
+      std::abort();
+    }
+    return new Model{*config, std::move(*tokenizer)};
+  }();
+  return *model;
 }
 
 }  // namespace llava::fuzz
