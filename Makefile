@@ -51,9 +51,10 @@ train: build
 
 # The second stage of the shipped model: `make train`'s model taught the paper's prompt layout
 # (llava_v1 system prompt, the question before the image) and reworded questions from its
-# weights, in two runs: 1,100 steps with half the conversations in that layout, then 650 with
-# 70% and more position and "which is larger" questions (~25 + 15 min here; docs/TRAINING.md).
-# Writes $(BUILD)/shapes-llava-layouts2 from $(INIT), by default `make train`'s output.
+# weights, in three runs: 1,100 steps with half the conversations in that layout, then 650 with
+# 70% and more position and "which is larger" questions, then 650 more with every row of a
+# short answer's attention supervised (~25 + 15 + 13 min here; docs/TRAINING.md).
+# Writes $(BUILD)/shapes-llava-layouts3 from $(INIT), by default `make train`'s output.
 INIT ?= $(BUILD)/shapes-llava
 LAYOUT_WEIGHTS := colour=2,shape=2,count_all=0.25,count_shape=2,count_colour=1.5,position=3,exists=1.25,larger=3,where=1.25
 LAYOUT_FLAGS := --batch 16 --attn-weight 0.2 --attn-absent true --describe-prob 0.35 \
@@ -65,6 +66,9 @@ train-layouts: build
 	./$(BUILD)/llava-train --init $(BUILD)/shapes-llava-layouts --out $(BUILD)/shapes-llava-layouts2 \
 	  $(LAYOUT_FLAGS) --seed 10 --steps 650 --warmup 30 --lr 1e-4 --max-minutes 16 \
 	  --question-weights $(LAYOUT_WEIGHTS) --paper-layout 0.7
+	./$(BUILD)/llava-train --init $(BUILD)/shapes-llava-layouts2 --out $(BUILD)/shapes-llava-layouts3 \
+	  $(LAYOUT_FLAGS) --seed 11 --steps 650 --warmup 30 --lr 1e-4 --max-minutes 16 \
+	  --question-weights $(LAYOUT_WEIGHTS) --paper-layout 0.7 --attn-every-row true
 
 # The quality table of docs/POLICIES.md: every policy x budget on the held-out split.
 eval-default: build
