@@ -215,9 +215,8 @@ class CompressingKvCache final : public KvCache {
     merged_ += plan.merged;
     evicted_ += plan.dropped;
     if (static_cast<int64_t>(plan.kept.size()) == t) return;  // nothing to drop or merge
-    auto kept = [&](const at::Tensor& rows) {
-      return rows.index_select(1, at::tensor(plan.kept, at::kLong).to(rows.device()));
-    };
+    const at::Tensor index = at::tensor(plan.kept, at::kLong).to(buf.Keys().device());
+    auto kept = [&](const at::Tensor& rows) { return rows.index_select(1, index); };
     if (plan.merged > 0) {
       buf.Assign(plan.merge_keys ? MergeRows(buf.Keys(), plan) : kept(buf.Keys()),
                  MergeRows(buf.Values(), plan));

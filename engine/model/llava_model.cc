@@ -638,10 +638,9 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
 
   at::Tensor rows = at::tensor(logit_rows, at::kLong).to(dev);
   at::Tensor last = RmsNorm(x.index_select(0, rows), final_norm_, t.rms_norm_eps);
-  // On AVX512-BF16 oneDNN, as before the other CPU paths existed (the quality tables of
-  // docs/POLICIES.md were made with it); elsewhere the kernels of every other Linear.
-  if (FastBf16Matmul(last)) return at::linear(last, lm_head_).to(at::kFloat);  // [rows, V]
-  return Linear{lm_head_, at::Tensor()}(last).to(at::kFloat);
+  // The kernels of every other Linear: a decode step's few rows take the GEMV on every CPU
+  // path (oneDNN ran one row at a quarter of its speed; docs/BENCHMARKS.md).
+  return Linear{lm_head_, at::Tensor()}(last).to(at::kFloat);  // [rows, V]
 }
 
 }  // namespace llava
