@@ -26,6 +26,8 @@ namespace {
 
 volatile std::sig_atomic_t g_signal = 0;
 void OnSignal(int sig) { g_signal = sig; }
+volatile std::sig_atomic_t g_hangup = 0;
+void OnHangup(int) { g_hangup = 1; }
 
 // Facts about the loaded model for GetModelInfo.
 llava::server::ModelFacts FactsOf(const llava::LoadedModel& model, const std::string& path,
@@ -304,7 +306,22 @@ int main(int argc, char** argv) {
 
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
-  while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::signal(SIGHUP, OnHangup);
+  while (g_signal == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (g_hangup == 0) continue;
+    g_hangup = 0;
+    // The token file is re-read whenever it changes; the HTTP API's certificate is re-read here;
+    // gRPC's certificate watcher has no trigger and reads its files every --tls-reload-seconds.
+    if (tokens) spdlog::info("SIGHUP: {} bearer tokens", tokens->size());
+    if (openai && !tls.cert.empty()) {
+      spdlog::info("SIGHUP: HTTP API certificate {}",
+                   openai->ReloadTls() ? "reloaded" : "unchanged or not loadable, kept");
+    }
+    if (!tls.cert.empty()) {
+      spdlog::info("SIGHUP: the gRPC port reads its certificate within {} s", tls.reload_seconds);
+    }
+  }
 
   spdlog::info("signal {}: draining for up to {:.0f} s", static_cast<int>(g_signal), grace_s);
   server->GetHealthCheckService()->SetServingStatus(false);

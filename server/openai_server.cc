@@ -121,6 +121,8 @@ OpenAiServer::OpenAiServer(RequestGate* gate, OpenAiServerConfig config)
 
 OpenAiServer::~OpenAiServer() { Stop(); }
 
+bool OpenAiServer::ReloadTls() { return https_ != nullptr && https_->Reload(); }
+
 int OpenAiServer::Start(const std::string& address) {
   if (config_.tls.cert.empty()) {
     http_ = std::make_unique<httplib::Server>();

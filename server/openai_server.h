@@ -41,6 +41,8 @@ class OpenAiServer {
   int Start(const std::string& address);
   // Stops accepting and joins the listener; open streams end with their connections.
   void Stop();
+  // With TLS: re-reads the certificate and key now (SIGHUP); true if a new pair is served.
+  bool ReloadTls();
 
  private:
   RequestGate* gate_;

@@ -134,6 +134,12 @@ bool HttpsContext::ReloadLocked(bool force) {
   return true;
 }
 
+bool HttpsContext::Reload() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Identity* before = identity_.get();
+  return ReloadLocked(/*force=*/true) && identity_.get() != before;
+}
+
 int HttpsContext::SelectCertificate(::ssl_st* ssl, void* self) {
   auto* context = static_cast<HttpsContext*>(self);
   std::lock_guard<std::mutex> lock(context->mu_);

@@ -41,6 +41,8 @@ class HttpsContext {
   ~HttpsContext();
   // For httplib::SSLServer's constructor (SSL_CTX is OpenSSL's ssl_ctx_st).
   bool Configure(::ssl_ctx_st& ctx);
+  // Re-reads the pair now (SIGHUP); false if it does not load, and then the previous one stays.
+  bool Reload();
 
  private:
   struct Identity;

@@ -415,8 +415,9 @@ TEST(ServerAuth, ChatClientNeedsTheServersToken) {
 // client certificate work; no TLS, a wrong CA, no client certificate or one from another CA
 // fail; a renewed certificate is served on both ports without a restart, and an expired one is
 // refused by the clients.
-TEST(ServerTls, MutualTlsWrongCaRenewalAndExpiry) {
-  const std::string dir = ::testing::TempDir() + "/llava-tls";
+// Certificates for the TLS tests in `dir`: CAs ca1 and ca2; server (ca1), server2 (ca2),
+// client (ca1), rogue (ca2), expired (ca1, valid 0 days); live.{pem,key} start as server's.
+void MakeCertificates(const std::string& dir) {
   const std::string make_certs = R"(set -e
     rm -rf DIR && mkdir -p DIR && cd DIR
     key() { openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "$@" 2> /dev/null; }
@@ -435,6 +436,11 @@ TEST(ServerTls, MutualTlsWrongCaRenewalAndExpiry) {
     script.replace(at, 3, dir);
   ASSERT_NE(::llava::testing::RunCommand("bash -c '" + script + "' 2>&1").find("made"),
             std::string::npos);
+}
+
+TEST(ServerTls, MutualTlsWrongCaRenewalAndExpiry) {
+  const std::string dir = ::testing::TempDir() + "/llava-tls";
+  ASSERT_NO_FATAL_FAILURE(MakeCertificates(dir));
   testing::ServerProcess server(
       LLAVA_SERVER_BINARY,
       {"--model", ::llava::testing::TestData() + "/tiny-new", "--dtype", "f32", "--threads", "1",
@@ -521,6 +527,41 @@ TEST(ServerTls, MutualTlsWrongCaRenewalAndExpiry) {
       << "an expired certificate was accepted";
   EXPECT_EQ(models("ca1", "client").find(listed), std::string::npos)
       << "the HTTP API's expired certificate was accepted";
+}
+
+// SIGHUP re-reads the HTTP API's certificate at once: with --tls-reload-seconds 3600 a
+// renewed pair is not served until the signal, and is served after it.
+TEST(ServerTls, SighupReloadsTheHttpApiCertificate) {
+  const std::string dir = ::testing::TempDir() + "/llava-tls-hup";
+  ASSERT_NO_FATAL_FAILURE(MakeCertificates(dir));
+  testing::ServerProcess server(LLAVA_SERVER_BINARY,
+                                {"--model", ::llava::testing::TestData() + "/tiny-new", "--dtype",
+                                 "f32", "--threads", "1", "--tls-cert", dir + "/live.pem",
+                                 "--tls-key", dir + "/live.key", "--tls-reload-seconds", "3600"},
+                                dir + "/server.log");
+  ASSERT_GT(server.http_port(), 0) << server.Log();
+  auto models = [&](const std::string& ca) {
+    return ::llava::testing::RunCommand(
+        "curl -sS --max-time 10 --cacert " + dir + "/" + ca +
+        ".pem https://127.0.0.1:" + std::to_string(server.http_port()) + "/v1/models 2>&1");
+  };
+  const std::string listed = "\"object\":\"list\"";
+  ASSERT_NE(models("ca1").find(listed), std::string::npos) << models("ca1");
+  ::llava::testing::RunCommand("cd " + dir +
+                               " && cp server2.key live.key.new && cp server2.pem live.pem.new && "
+                               "mv live.key.new live.key && mv live.pem.new live.pem");
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_NE(models("ca1").find(listed), std::string::npos) << "reloaded before the signal";
+  server.Signal(SIGHUP);
+  std::string renewed;
+  for (int i = 0; i < 50 && renewed.find(listed) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    renewed = models("ca2");
+  }
+  EXPECT_NE(renewed.find(listed), std::string::npos) << renewed << "\n" << server.Log();
+  EXPECT_EQ(models("ca1").find(listed), std::string::npos) << "the old certificate after SIGHUP";
+  EXPECT_NE(server.Log().find("SIGHUP: HTTP API certificate reloaded"), std::string::npos)
+      << server.Log();
 }
 
 // Scale-out that works for gRPC: one client channel over two servers spreads its requests

@@ -98,6 +98,9 @@ class ServerProcess {
     ss << in.rdbuf();
     return ss.str();
   }
+  void Signal(int sig) const {
+    if (pid_ > 0) kill(pid_, sig);
+  }
   // Sends SIGTERM and waits; returns the exit status (or -1 on timeout / signal death).
   int Terminate(std::chrono::seconds timeout) {
     if (pid_ <= 0) return -1;
