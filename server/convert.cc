@@ -150,6 +150,7 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
   if (e.has_protect_system()) cp.elastic.protect_system = e.protect_system();
   if (e.has_weighted_merge()) cp.elastic.weighted_merge = e.weighted_merge();
   if (e.has_merge_keys()) cp.elastic.merge_keys = e.merge_keys();
+  if (e.has_evict_age_exponent()) cp.elastic.evict_age_exponent = e.evict_age_exponent();
   switch (e.importance()) {
     case v1::IMPORTANCE_MODE_UNSPECIFIED:
       break;

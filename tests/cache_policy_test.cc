@@ -317,6 +317,41 @@ TEST(ElasticVictim, ScoredTakesTheLeastAttendedUnpinnedEntry) {
   EXPECT_EQ(ScoredVictim(pinned, {0.f, 0.5f, 0.2f, 0.f, 0.2f, 0.f}), 2);  // ties: earlier
   EXPECT_EQ(ScoredVictim(pinned, {0.f, 0.1f, 0.2f, 0.f, 0.3f, 0.f}), 1);  // 5 is the newest
   EXPECT_EQ(ScoredVictim({true, true, false}, {0.f, 0.f, 0.f}), -1);
+  // Ranked by score / age^exponent: 0.21 / 30^0.1 = 0.149 is below the fresh entry's 0.2.
+  const std::vector<bool> none(4, false);
+  const std::vector<float> scores = {0.9f, 0.21f, 0.2f, 0.f};
+  const std::vector<int64_t> ages = {40, 30, 1, 0};
+  EXPECT_EQ(ScoredVictim(none, scores, ages, 0.f), 2);
+  EXPECT_EQ(ScoredVictim(none, scores, ages, 0.1f), 1);
+  EXPECT_EQ(ScoredVictim(none, {0.9f, 0.5f, 0.2f, 0.f}, ages, 1.f), 1);  // 0.0167 < 0.2
+}
+
+// The policy counts each entry's age from the decode step it arrived in, and keeps the ages
+// aligned when an entry leaves. Entries after three steps (e0 the pinned sink, e4 the newest):
+//   e1 (age 3) 0.2 + 0.2 + 0.2 = 0.6, mean 0.2;  e2 (age 3) 0.8 + 0.3 + 0.3 = 1.4, mean 0.47;
+//   e3 (age 2) 0.25 + 0.25 = 0.5, mean 0.25.
+TEST(ElasticVictim, ScoredEvictionWeighsAgeFromArrival) {
+  for (float exponent : {0.f, 1.f}) {
+    CacheParams p;
+    p.budget = 0.5;
+    p.sink_tokens = 1;
+    p.elastic = ElasticPreset(ElasticVariant::kPaper);
+    p.elastic.eviction = DecodeEviction::kScored;
+    p.elastic.evict_age_exponent = exponent;
+    std::unique_ptr<KvPolicy> policy = NewElasticPolicy(p, PromptSegments{}, 1);
+    ASSERT_EQ(policy->PlanPrompt(0, 2).kept, (std::vector<int64_t>{0, 1}));
+    const std::vector<std::vector<float>> steps = {
+        {0.f, 0.2f, 0.8f}, {0.f, 0.2f, 0.3f, 0.25f}, {0.f, 0.2f, 0.3f, 0.25f, 0.25f}};
+    for (const std::vector<float>& col : steps) {
+      policy->OnAppend(0, 1);
+      policy->AddScores(0, -1, col.data(), static_cast<int64_t>(col.size()));
+    }
+    const int64_t first = policy->Victim(0, 5, 3);
+    EXPECT_EQ(first, exponent == 0.f ? 3 : 1) << exponent;  // e3 by sum, e1 by mean
+    policy->OnEvict(0, first);
+    // Then e1 by sum (0.6 < 1.4); by mean e3 (0.25 < 0.47), now at index 2.
+    EXPECT_EQ(policy->Victim(0, 4, 3), exponent == 0.f ? 1 : 2) << exponent;
+  }
 }
 
 TEST(ParseCacheSpec, PresetsAndOptions) {
@@ -327,6 +362,16 @@ TEST(ParseCacheSpec, PresetsAndOptions) {
   EXPECT_FALSE(p->elastic.protect_system);
   EXPECT_FALSE(p->elastic.merge_keys);
   EXPECT_EQ(p->elastic.eviction, DecodeEviction::kScored);
+  EXPECT_FLOAT_EQ(p->elastic.evict_age_exponent, 0.1f);
+  p = ParseCacheSpec("elastic+age_exp=0.5");
+  ASSERT_TRUE(p.ok());
+  EXPECT_FLOAT_EQ(p->elastic.evict_age_exponent, 0.5f);
+  for (const char* bad : {"elastic+age_exp=2.5", "elastic+age_exp=-1", "elastic+age_exp=x",
+                          "elastic+age_exp=nan", "elastic+age_exp="}) {
+    auto q = ParseCacheSpec(bad);
+    ASSERT_FALSE(q.ok()) << bad;
+    EXPECT_NE(q.status().message().find("age_exp"), std::string::npos) << q.status().message();
+  }
   p = ParseCacheSpec("elastic+merge_keys=1");
   ASSERT_TRUE(p.ok());
   EXPECT_TRUE(p->elastic.merge_keys);

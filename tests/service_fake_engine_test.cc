@@ -204,6 +204,19 @@ TEST_F(FakeEngineServiceTest, ElasticOptionsApplyOverTheVariant) {
   EXPECT_TRUE(p.elastic.merge_keys);                       // the paper's
   EXPECT_EQ(p.elastic.merge_scope, MergeScope::kNearest);  // the paper's
   EXPECT_EQ(p.elastic.recent_distance, 9);
+  EXPECT_FLOAT_EQ(p.elastic.evict_age_exponent, 0.f);  // the paper's
+
+  kv->mutable_elastic()->set_evict_age_exponent(1.f);
+  grpc::ClientContext age_ctx;
+  ASSERT_TRUE(stub_->Chat(&age_ctx, req, &resp).ok());
+  EXPECT_FLOAT_EQ(engine_.last_request.kv_cache.elastic.evict_age_exponent, 1.f);
+  kv->mutable_elastic()->set_evict_age_exponent(3.f);
+  grpc::ClientContext bad_age_ctx;
+  grpc::Status bad_age = stub_->Chat(&bad_age_ctx, req, &resp);
+  EXPECT_EQ(bad_age.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad_age.error_message().find("kv_cache.elastic.evict_age_exponent"), std::string::npos)
+      << bad_age.error_message();
+  kv->mutable_elastic()->clear_evict_age_exponent();
 
   kv->mutable_elastic()->set_merge_scope(static_cast<v1::MergeScope>(7));
   grpc::ClientContext bad_ctx;

@@ -36,6 +36,7 @@ ElasticParams ElasticPreset(ElasticVariant v) {
   p.weighted_merge = true;
   p.merge_keys = false;
   p.eviction = DecodeEviction::kScored;
+  p.evict_age_exponent = 0.1f;
   return p;
 }
 
@@ -171,6 +172,12 @@ StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& b
       LLAVA_ASSIGN_OR_RETURN(e.weighted_merge, flag(key, v));
     } else if (key == "evict") {
       LLAVA_ASSIGN_OR_RETURN(e.eviction, ParseDecodeEviction(v));
+    } else if (key == "age_exp") {
+      char* end = nullptr;
+      e.evict_age_exponent = std::strtof(v.c_str(), &end);
+      if (v.empty() || *end != '\0') {
+        return InvalidArgument("kv_cache option age_exp must be a number, got '" + v + "'");
+      }
     } else if (key == "merge") {
       LLAVA_ASSIGN_OR_RETURN(e.merge, flag(key, v));
     } else if (key == "recent") {

@@ -60,6 +60,10 @@ struct ElasticParams {
   // rotary position and what queries match), and only its value becomes the bucket's mean.
   bool merge_keys = true;
   DecodeEviction eviction = DecodeEviction::kFixedPoint;
+  // kScored ranks an entry by its decode attention divided by (the decode steps it has been in
+  // the cache)^evict_age_exponent: 0 is the plain sum, under which what was just written has
+  // had the least time to collect attention and goes first; 1 is the mean per step.
+  float evict_age_exponent = 0.f;
   // An ablation (llava-eval only): false keeps the same anchors and drops the other entries.
   bool merge = true;
 };

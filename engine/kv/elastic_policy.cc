@@ -1,6 +1,7 @@
 #include "engine/kv/elastic_policy.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace llava {
 namespace {
@@ -23,6 +24,8 @@ class ElasticPolicy final : public KvPolicy {
         sums_(num_layers),
         instruction_sums_(num_layers),
         decode_scores_(num_layers),
+        born_(num_layers),
+        steps_(num_layers, 0),
         pinned_(num_layers) {}
 
   int64_t Target(int64_t n) const override {
@@ -42,7 +45,10 @@ class ElasticPolicy final : public KvPolicy {
       s.resize(std::max<int64_t>(len, s.size()), 0.f);
       for (int64_t j = 0; j < len; ++j) s[j] += col[j];
     };
-    if (prefilled_) return add(decode_scores_[layer]);
+    if (prefilled_) {
+      ++steps_[layer];
+      return add(decode_scores_[layer]);
+    }
     if (!instruction_only()) add(sums_[layer]);
     if (first_row >= segments_.instruction.begin) add(instruction_sums_[layer]);
   }
@@ -54,7 +60,10 @@ class ElasticPolicy final : public KvPolicy {
         PlanElasticMerge(ElasticImportance(sums_[layer], instruction_sums_[layer],
                                            params_.elastic.importance, segments_.instruction.begin),
                          params_, segments_);
-    if (scored_) decode_scores_[layer].assign(plan.kept.size(), 0.f);
+    if (scored_) {
+      decode_scores_[layer].assign(plan.kept.size(), 0.f);
+      born_[layer].assign(plan.kept.size(), 0);
+    }
     for (auto* s : {&sums_[layer], &instruction_sums_[layer]}) {
       s->clear();  // importance is not used after the merge
       s->shrink_to_fit();
@@ -68,15 +77,26 @@ class ElasticPolicy final : public KvPolicy {
 
   void OnAppend(int layer, int64_t n_new) override {
     pinned_[layer].resize(pinned_[layer].size() + n_new, false);
-    if (scored_) decode_scores_[layer].resize(pinned_[layer].size(), 0.f);
+    if (scored_) {
+      decode_scores_[layer].resize(pinned_[layer].size(), 0.f);
+      born_[layer].resize(pinned_[layer].size(), steps_[layer]);
+    }
   }
   int64_t Victim(int layer, int64_t len, int64_t target) const override {
-    if (scored_) return ScoredVictim(pinned_[layer], decode_scores_[layer]);
+    if (scored_) {
+      std::vector<int64_t> ages(born_[layer].size());
+      for (size_t i = 0; i < ages.size(); ++i) ages[i] = steps_[layer] - born_[layer][i];
+      return ScoredVictim(pinned_[layer], decode_scores_[layer], ages,
+                          params_.elastic.evict_age_exponent);
+    }
     return ElasticVictim(pinned_[layer], fixed_point_);
   }
   void OnEvict(int layer, int64_t index) override {
     pinned_[layer].erase(pinned_[layer].begin() + index);
-    if (scored_) decode_scores_[layer].erase(decode_scores_[layer].begin() + index);
+    if (scored_) {
+      decode_scores_[layer].erase(decode_scores_[layer].begin() + index);
+      born_[layer].erase(born_[layer].begin() + index);
+    }
   }
 
  private:
@@ -92,9 +112,11 @@ class ElasticPolicy final : public KvPolicy {
   std::vector<std::vector<float>> instruction_sums_;  // ... of the instruction's rows only
   std::vector<std::vector<float>> decode_scores_;     // per layer, aligned: attention received
                                                       // while decoding (kScored only)
-  std::vector<std::vector<bool>> pinned_;             // per layer, aligned with the entries
-  int64_t pinned_count_ = 0;  // pinned entries per layer (the same in every layer)
-  int64_t fixed_point_ = 0;   // N_tl
+  std::vector<std::vector<int64_t>> born_;  // per layer, aligned: steps_ when the entry came
+  std::vector<int64_t> steps_;              // per layer: decode steps observed (kScored only)
+  std::vector<std::vector<bool>> pinned_;   // per layer, aligned with the entries
+  int64_t pinned_count_ = 0;                // pinned entries per layer (the same in every layer)
+  int64_t fixed_point_ = 0;                 // N_tl
   bool prefilled_ = false;
 };
 
@@ -221,11 +243,22 @@ int64_t ElasticVictim(const std::vector<bool>& pinned, int64_t fixed_point) {
   return -1;
 }
 
-int64_t ScoredVictim(const std::vector<bool>& pinned, const std::vector<float>& scores) {
+int64_t ScoredVictim(const std::vector<bool>& pinned, const std::vector<float>& scores,
+                     const std::vector<int64_t>& ages, float age_exponent) {
   const int64_t len = static_cast<int64_t>(pinned.size());
+  auto rank = [&](int64_t i) {
+    if (age_exponent == 0.f || ages.empty()) return scores[i];
+    return scores[i] / std::pow(static_cast<float>(std::max<int64_t>(1, ages[i])), age_exponent);
+  };
   int64_t victim = -1;
+  float lowest = 0.f;
   for (int64_t i = 0; i < len - 1; ++i) {
-    if (!pinned[i] && (victim < 0 || scores[i] < scores[victim])) victim = i;
+    if (pinned[i]) continue;
+    const float r = rank(i);
+    if (victim < 0 || r < lowest) {
+      victim = i;
+      lowest = r;
+    }
   }
   return victim;
 }
@@ -236,6 +269,11 @@ std::unique_ptr<KvPolicy> NewElasticPolicy(const CacheParams& params,
 }
 
 Status ValidateElasticParams(const CacheParams& p) {
+  const float a = p.elastic.evict_age_exponent;
+  if (!(a >= 0.f && a <= 2.f)) {  // also refuses NaN
+    return InvalidArgument("kv_cache.elastic.evict_age_exponent must be in [0, 2], got " +
+                           std::to_string(a));
+  }
   if (p.elastic.recent_distance < 1) {
     return InvalidArgument("kv_cache.recent_distance must be >= 1, got " +
                            std::to_string(p.elastic.recent_distance));

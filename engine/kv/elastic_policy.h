@@ -49,9 +49,12 @@ int64_t ElasticFixedPoint(int64_t merged_length, const CacheParams& params);
 // the newest; if there is none, the last such entry before it. -1 if every entry is protected.
 int64_t ElasticVictim(const std::vector<bool>& pinned, int64_t fixed_point);
 
-// DecodeEviction::kScored: the unpinned entry of lowest score other than the newest (ties: the
-// earlier entry), or -1 if there is none.
-int64_t ScoredVictim(const std::vector<bool>& pinned, const std::vector<float>& scores);
+// DecodeEviction::kScored: the unpinned entry other than the newest with the lowest rank
+// scores[i] / max(1, ages[i])^age_exponent (ties: the earlier entry), or -1 if there is none.
+// ages[i]: the decode steps entry i has been in the cache; exponent 0 (or no ages) ranks by the
+// plain score.
+int64_t ScoredVictim(const std::vector<bool>& pinned, const std::vector<float>& scores,
+                     const std::vector<int64_t>& ages = {}, float age_exponent = 0.f);
 
 std::unique_ptr<KvPolicy> NewElasticPolicy(const CacheParams& params,
                                            const PromptSegments& segments, int num_layers);
