@@ -2,7 +2,8 @@
 # Soak: llava-server with the default model under llava-load at saturation for SECONDS, the
 # server's RSS and KV gauges sampled every 10 s; then the load stops and the gauges must fall
 # back to 0. Prints the RSS after warm-up (the first sample past WARMUP seconds), at the end,
-# and the growth between them (issue target: < 1%), and writes every sample to OUT/soak.csv.
+# the growth between them (issue target: < 1%) and the least-squares trend of the samples after
+# warm-up, and writes every sample to OUT/soak.csv.
 # Not part of make test (it takes SECONDS).
 #
 # usage: scripts/soak.sh [SECONDS=1800] [OUT=/tmp/llava-soak] [WARMUP=120]
@@ -52,12 +53,22 @@ echo "idle,$after" >> "$out/soak.csv"
 served=$(curl -s "http://127.0.0.1:$metrics/metrics" |
   awk '$1 ~ /^llava_request_status_total\{api="grpc",code="OK"\}/ { print $2 }')
 awk -F, -v w="$warmup" -v served="$served" '
-  NR > 1 && $1 != "idle" { if (base == "" && $1 >= w) base = $2; last = $2; if ($2 > peak) peak = $2 }
+  NR > 1 && $1 != "idle" {
+    if (base == "" && $1 >= w) base = $2
+    last = $2; if ($2 > peak) peak = $2
+    if ($1 >= w) { n++; sx += $1; sy += $2; sxy += $1 * $2; sxx += $1 * $1 }
+  }
   $1 == "idle" { idle = $0 }
   END {
     printf "requests served: %s\n", served
     printf "rss after warm-up: %.1f MB, at the end: %.1f MB, peak: %.1f MB, growth: %+.2f%%\n",
            base / 1e6, last / 1e6, peak / 1e6, (last - base) * 100 / base
+    # Least-squares slope after warm-up: steady growth shows here, allocator swings do not.
+    if (n > 2 && n * sxx != sx * sx) {
+      slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+      printf "rss trend after warm-up: %+.2f MB/hour (%+.2f%% of the warm-up RSS per hour)\n",
+             slope * 3600 / 1e6, slope * 3600 * 100 / base
+    }
     split(idle, f, ","); printf "idle: running %s, waiting %s, kv_used_bytes %s\n", f[3], f[4], f[5]
   }' "$out/soak.csv"
 [ ! -s "$out/errors.txt" ] || { echo "load errors:"; cat "$out/errors.txt"; exit 1; }
