@@ -15,6 +15,32 @@ void AddSpan(const PromptSegments::Span& s, int64_t t, int64_t* room, std::vecto
   }
 }
 
+// powers[age] = max(1, age)^exponent for every age up to `max_age`.
+void ExtendAgePowers(std::vector<float>* powers, int64_t max_age, float exponent) {
+  while (static_cast<int64_t>(powers->size()) <= max_age) {
+    const int64_t age = std::max<int64_t>(1, static_cast<int64_t>(powers->size()));
+    powers->push_back(std::pow(static_cast<float>(age), exponent));
+  }
+}
+
+// ScoredVictim with entry i's age given by age_of(i) and ranked scores[i] / powers[age].
+template <typename AgeOf>
+int64_t LowestRanked(const std::vector<bool>& pinned, const std::vector<float>& scores,
+                     const std::vector<float>& powers, AgeOf age_of) {
+  const int64_t len = static_cast<int64_t>(pinned.size());
+  int64_t victim = -1;
+  float lowest = 0.f;
+  for (int64_t i = 0; i < len - 1; ++i) {
+    if (pinned[i]) continue;
+    const float r = scores[i] / powers[std::max<int64_t>(0, age_of(i))];
+    if (victim < 0 || r < lowest) {
+      victim = i;
+      lowest = r;
+    }
+  }
+  return victim;
+}
+
 // Invariant after PlanPrompt: every layer's `pinned_` is aligned with its entries.
 class ElasticPolicy final : public KvPolicy {
  public:
@@ -26,7 +52,9 @@ class ElasticPolicy final : public KvPolicy {
         decode_scores_(num_layers),
         born_(num_layers),
         steps_(num_layers, 0),
-        pinned_(num_layers) {}
+        pinned_(num_layers) {
+    ExtendAgePowers(&age_powers_, 0, params_.elastic.evict_age_exponent);
+  }
 
   int64_t Target(int64_t n) const override {
     if (!prefilled_) {  // the prompt's merge: pinned positions and the last one
@@ -47,6 +75,7 @@ class ElasticPolicy final : public KvPolicy {
     };
     if (prefilled_) {
       ++steps_[layer];
+      ExtendAgePowers(&age_powers_, steps_[layer], params_.elastic.evict_age_exponent);
       return add(decode_scores_[layer]);
     }
     if (!instruction_only()) add(sums_[layer]);
@@ -84,10 +113,10 @@ class ElasticPolicy final : public KvPolicy {
   }
   int64_t Victim(int layer, int64_t len, int64_t target) const override {
     if (scored_) {
-      std::vector<int64_t> ages(born_[layer].size());
-      for (size_t i = 0; i < ages.size(); ++i) ages[i] = steps_[layer] - born_[layer][i];
-      return ScoredVictim(pinned_[layer], decode_scores_[layer], ages,
-                          params_.elastic.evict_age_exponent);
+      const std::vector<int64_t>& born = born_[layer];
+      const int64_t now = steps_[layer];
+      return LowestRanked(pinned_[layer], decode_scores_[layer], age_powers_,
+                          [&](int64_t i) { return now - born[i]; });
     }
     return ElasticVictim(pinned_[layer], fixed_point_);
   }
@@ -114,9 +143,10 @@ class ElasticPolicy final : public KvPolicy {
                                                       // while decoding (kScored only)
   std::vector<std::vector<int64_t>> born_;  // per layer, aligned: steps_ when the entry came
   std::vector<int64_t> steps_;              // per layer: decode steps observed (kScored only)
-  std::vector<std::vector<bool>> pinned_;   // per layer, aligned with the entries
-  int64_t pinned_count_ = 0;                // pinned entries per layer (the same in every layer)
-  int64_t fixed_point_ = 0;                 // N_tl
+  std::vector<float> age_powers_;  // [age]: max(1, age)^evict_age_exponent, one pow per step
+  std::vector<std::vector<bool>> pinned_;  // per layer, aligned with the entries
+  int64_t pinned_count_ = 0;               // pinned entries per layer (the same in every layer)
+  int64_t fixed_point_ = 0;                // N_tl
   bool prefilled_ = false;
 };
 
@@ -245,22 +275,12 @@ int64_t ElasticVictim(const std::vector<bool>& pinned, int64_t fixed_point) {
 
 int64_t ScoredVictim(const std::vector<bool>& pinned, const std::vector<float>& scores,
                      const std::vector<int64_t>& ages, float age_exponent) {
-  const int64_t len = static_cast<int64_t>(pinned.size());
-  auto rank = [&](int64_t i) {
-    if (age_exponent == 0.f || ages.empty()) return scores[i];
-    return scores[i] / std::pow(static_cast<float>(std::max<int64_t>(1, ages[i])), age_exponent);
-  };
-  int64_t victim = -1;
-  float lowest = 0.f;
-  for (int64_t i = 0; i < len - 1; ++i) {
-    if (pinned[i]) continue;
-    const float r = rank(i);
-    if (victim < 0 || r < lowest) {
-      victim = i;
-      lowest = r;
-    }
+  if (age_exponent == 0.f || ages.empty()) {
+    return LowestRanked(pinned, scores, std::vector<float>{1.f}, [](int64_t) { return 0; });
   }
-  return victim;
+  std::vector<float> powers;
+  ExtendAgePowers(&powers, *std::max_element(ages.begin(), ages.end()), age_exponent);
+  return LowestRanked(pinned, scores, powers, [&](int64_t i) { return ages[i]; });
 }
 
 std::unique_ptr<KvPolicy> NewElasticPolicy(const CacheParams& params,
