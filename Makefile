@@ -6,7 +6,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 SOURCES := $(shell git ls-files '*.h' '*.cc' 2>/dev/null)
 
-.PHONY: all deps build build-cuda test image serve generate bench train train-layouts eval-default ship-model test-sanitize fuzz format check-format clean
+.PHONY: all deps build build-cuda gpu-smoke test image serve generate bench train train-layouts eval-default ship-model test-sanitize fuzz format check-format clean
 
 all: build
 
@@ -87,6 +87,16 @@ build-cuda: deps
 	  -DLLAVA_BUILD_TESTS=OFF -DLLAVA_BUILD_BENCH=OFF
 	cmake --build $(BUILD)-cuda -j$(JOBS) --target llava-generate
 
+# The GPU machine's run (scripts/gpu-run.sh) rehearsed here: the model-only build with the CUDA
+# kernels compiled (no GPU needed), the device tests on the CPU and the benchmarks at tiny shapes
+# (~2 min). It needs .gpu-deps (scripts/gpu-deps.sh, apt-get download).
+gpu-smoke:
+	scripts/gpu-deps.sh > /dev/null
+	rm -rf $(BUILD)-gpu-smoke
+	LLAVA_GPU_DEVICE=cpu LLAVA_GPU_CUDA=$$( [ -x /usr/local/cuda/bin/nvcc ] && echo ON || echo OFF ) \
+	  LLAVA_GPU_WORK=$(CURDIR)/$(BUILD)-gpu-smoke scripts/gpu-run.sh $(BUILD)-gpu-smoke/out smoke
+	grep -q "suite=paper" $(BUILD)-gpu-smoke/out/summary.txt
+
 bench: build
 	./$(BUILD)/llava-bench
 
@@ -120,4 +130,4 @@ check-format:
 	clang-format --dry-run --Werror $(SOURCES)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-cuda
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-cuda $(BUILD)-gpu-smoke

@@ -6,7 +6,9 @@
 // every decoder weight once, so tokens/s <= bandwidth / weight bytes. Medians of --reps runs.
 // With --model DIR the same measurements run on that checkpoint (e.g. the shipped default
 // model: how decode scales with the batch when per-sequence work, not weights, dominates).
-// The last line is `key=value` pairs for scripts.
+// --device cuda[:i] runs the decoder, policies and paper suites on a GPU (a CUDA libtorch;
+// scripts/gpu-run.sh); every timed region ends with a copy of its result to the host, which
+// waits for the device. The last line is `key=value` pairs for scripts.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -23,7 +25,6 @@
 #include "engine/kv/kv_cache.h"
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
-#include "engine/serving/generator.h"
 
 namespace {
 
@@ -38,9 +39,12 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Waits for the device: the result's bytes on the host (a no-op wait on the CPU).
+void Sync(const at::Tensor& t) { (void)t.to(at::kCPU); }
+
 // Read bandwidth in bytes/s: a sum over a buffer far larger than the caches (best of runs).
-double MeasureReadBandwidth(int64_t bytes) {
-  at::Tensor buf = at::ones({bytes / 4}, at::kFloat);
+double MeasureReadBandwidth(int64_t bytes, const at::Device& device) {
+  at::Tensor buf = at::ones({bytes / 4}, at::TensorOptions(at::kFloat).device(device));
   double best = 0;
   for (int i = 0; i < 7; ++i) {
     const auto t0 = Clock::now();
@@ -59,23 +63,26 @@ llava::LlavaConfig BenchConfig(int layers) {
 }
 
 // Random weights for every tensor the model reads (engine/io/weight_manifest.h): matrices and
-// embeddings ~N(0, 0.02), norms 1, biases 0.
-std::vector<std::pair<std::string, at::Tensor>> RandomWeights(const llava::LlavaConfig& c) {
+// embeddings ~N(0, 0.02), norms 1, biases 0. Made on `device`, so that the model takes them
+// without a copy (all 32 layers of 7B are 13.5 GB).
+std::vector<std::pair<std::string, at::Tensor>> RandomWeights(const llava::LlavaConfig& c,
+                                                              const at::Device& device) {
   using llava::WeightRole;
+  const at::TensorOptions bf16 = at::TensorOptions(at::kBFloat16).device(device);
   std::vector<std::pair<std::string, at::Tensor>> w;
   for (const llava::WeightSpec& s : llava::LlavaWeightManifest(c)) {
     if (!s.used) continue;
     at::Tensor x;
     switch (s.role) {
       case WeightRole::kNormWeight:
-        x = at::ones(s.shape, at::kBFloat16);
+        x = at::ones(s.shape, bf16);
         break;
       case WeightRole::kBias:
       case WeightRole::kNormBias:
-        x = at::zeros(s.shape, at::kBFloat16);
+        x = at::zeros(s.shape, bf16);
         break;
       default:
-        x = (at::randn(s.shape, at::kFloat) * 0.02).to(at::kBFloat16);
+        x = at::randn(s.shape, bf16.dtype(at::kFloat)).mul_(0.02).to(at::kBFloat16);
     }
     w.emplace_back(s.name, x);
   }
@@ -114,7 +121,7 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
   auto time_prefill = [&](const llava::CacheParams& p, const at::Tensor& emb) {
     auto cache = llava::NewKvCache(model.kv_layout(), p, layout(emb.size(0)));
     const auto t0 = Clock::now();
-    model.Forward({{emb, 0, cache.get(), false}});
+    Sync(model.Forward({{emb, 0, cache.get(), false}}));
     return Seconds(t0);
   };
   std::vector<double> full_s;
@@ -146,12 +153,12 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
   at::Tensor ctx = model.Embed(at::randint(3, vocab, {context}, at::kLong));
   auto decode = [&](const llava::CacheParams& p, int64_t* bytes, int64_t* full_bytes) {
     auto cache = llava::NewKvCache(model.kv_layout(), p, layout(context));
-    model.Forward({{ctx, 0, cache.get(), false}});
+    Sync(model.Forward({{ctx, 0, cache.get(), false}}));
     std::vector<double> runs;
     for (int s = 0; s < steps; ++s) {
       at::Tensor e = model.Embed(at::randint(3, vocab, {1}, at::kLong));
       const auto t0 = Clock::now();
-      model.Forward({{e, cache->NextPosition(), cache.get(), false}});
+      Sync(model.Forward({{e, cache->NextPosition(), cache.get(), false}}));
       runs.push_back(Seconds(t0));
     }
     *bytes = cache->Stats().bytes_kept;
@@ -175,6 +182,109 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
     machine += buf;
   }
   std::printf("kv bytes full %.1f MB\n%s\n", bytes_full / 1e6, machine.c_str());
+}
+
+// The paper's throughput experiment (ElasticCache, ECCV 2024: +77.9% at budget 0.2, batch 16,
+// LLaVA-7B, 1024-token prompts, 512-token answers): `batch` sequences of `prompt` tokens laid
+// out as in PolicySuite, each prefilled alone, then `answer` greedy steps of the whole batch;
+// Full against Elastic at `gamma`. Prints decode tokens/s, end-to-end tokens/s and the batch's
+// latency, the KV bytes of one finished sequence, and the largest batch whose caches fit in
+// `kv_budget` bytes (default: what Full needs at `batch`), which is where a smaller cache turns
+// into throughput. With `equal_memory`, Elastic is also run at that batch (at most `max_batch`).
+struct PaperRun {
+  int batch = 0;
+  double prefill_s = 0, decode_s = 0;
+  int64_t kv_bytes_per_seq = 0;
+};
+
+PaperRun RunPaperBatch(const llava::LlavaModel& model, const llava::CacheParams& params, int batch,
+                       int prompt, int answer) {
+  const int64_t vocab = model.config().text.vocab_size;
+  llava::PromptSegments layout;
+  const int64_t instruction = std::min<int64_t>(20, prompt / 4);
+  layout.images = {{std::min<int64_t>(4, prompt), prompt - instruction}};
+  layout.instruction = {prompt - instruction, prompt};
+  PaperRun run;
+  run.batch = batch;
+  std::vector<std::unique_ptr<llava::KvCache>> caches;
+  std::vector<at::Tensor> last;
+  auto t0 = Clock::now();
+  for (int i = 0; i < batch; ++i) {
+    caches.push_back(llava::NewKvCache(model.kv_layout(), params, layout));
+    at::Tensor emb = model.Embed(at::randint(3, vocab, {prompt}, at::kLong));
+    last.push_back(model.Forward({{emb, 0, caches.back().get(), false}}).argmax(-1));
+  }
+  at::Tensor ids = at::cat(last).to(at::kCPU);  // the first answer token of each sequence
+  run.prefill_s = Seconds(t0);
+  std::vector<llava::SequenceChunk> chunks(batch);
+  t0 = Clock::now();
+  for (int s = 1; s < answer; ++s) {
+    at::Tensor emb = model.Embed(ids);
+    for (int i = 0; i < batch; ++i) {
+      chunks[i] = {emb.narrow(0, i, 1), caches[i]->NextPosition(), caches[i].get(), false};
+    }
+    ids = model.Forward(chunks).argmax(-1).to(at::kCPU);  // as a server reads its tokens
+  }
+  run.decode_s = Seconds(t0);
+  run.kv_bytes_per_seq = caches[0]->Stats().bytes_kept;
+  return run;
+}
+
+void PaperSuite(const llava::LlavaModel& model, int prompt, int answer, int batch, double gamma,
+                double kv_budget, bool equal_memory, int max_batch) {
+  llava::CacheParams full{llava::CachePolicy::kFull};
+  llava::CacheParams base;
+  base.budget = gamma;
+  const llava::CacheParams elastic = *llava::ParseCacheSpec("elastic", base);
+  char buf[512];
+  std::string machine =
+      "suite=paper layers=" + std::to_string(model.config().text.num_hidden_layers) +
+      " prompt=" + std::to_string(prompt) + " answer=" + std::to_string(answer);
+  auto report = [&](const char* name, const PaperRun& r) {
+    const double tokens = double(r.batch) * answer;
+    std::printf(
+        "paper  %-8s batch=%-3d prefill %.2f s  decode %.2f s  decode %.1f tokens/s  "
+        "end-to-end %.1f tokens/s  latency %.2f s  kv/seq %.1f MB\n",
+        name, r.batch, r.prefill_s, r.decode_s, double(r.batch) * (answer - 1) / r.decode_s,
+        tokens / (r.prefill_s + r.decode_s), r.prefill_s + r.decode_s, r.kv_bytes_per_seq / 1e6);
+    std::snprintf(buf, sizeof(buf),
+                  " %s_b%d_decode_tok_s=%.1f %s_b%d_e2e_tok_s=%.1f %s_b%d_latency_s=%.2f", name,
+                  r.batch, double(r.batch) * (answer - 1) / r.decode_s, name, r.batch,
+                  tokens / (r.prefill_s + r.decode_s), name, r.batch, r.prefill_s + r.decode_s);
+    machine += buf;
+  };
+  (void)RunPaperBatch(model, full, 1, std::min(prompt, 16), 2);  // warm-up (a GPU's libraries)
+  const PaperRun f = RunPaperBatch(model, full, batch, prompt, answer);
+  report("full", f);
+  const PaperRun e = RunPaperBatch(model, elastic, batch, prompt, answer);
+  report("elastic", e);
+  const double e2e_full = batch * answer / (f.prefill_s + f.decode_s);
+  const double e2e_elastic = batch * answer / (e.prefill_s + e.decode_s);
+  if (kv_budget <= 0) kv_budget = double(batch) * f.kv_bytes_per_seq;
+  const int fit_full = static_cast<int>(kv_budget / f.kv_bytes_per_seq);
+  const int fit_elastic = static_cast<int>(kv_budget / e.kv_bytes_per_seq);
+  std::printf(
+      "same batch: elastic/full end-to-end %.3f (%+.1f%%)\n"
+      "kv budget %.3f GB: largest batch full %d, elastic %d\n",
+      e2e_elastic / e2e_full, 100 * (e2e_elastic / e2e_full - 1), kv_budget / 1e9, fit_full,
+      fit_elastic);
+  std::snprintf(buf, sizeof(buf),
+                " same_batch_e2e_ratio=%.3f kv_budget_gb=%.3f fit_batch_full=%d "
+                "fit_batch_elastic=%d",
+                e2e_elastic / e2e_full, kv_budget / 1e9, fit_full, fit_elastic);
+  machine += buf;
+  if (equal_memory && fit_elastic > batch) {
+    const PaperRun big =
+        RunPaperBatch(model, elastic, std::min(fit_elastic, max_batch), prompt, answer);
+    report("elastic", big);
+    const double ratio = big.batch * answer / (big.prefill_s + big.decode_s) / e2e_full;
+    std::printf(
+        "same kv memory: elastic at batch %d / full at batch %d end-to-end %.3f (%+.1f%%)\n",
+        big.batch, batch, ratio, 100 * (ratio - 1));
+    std::snprintf(buf, sizeof(buf), " same_memory_e2e_ratio=%.3f", ratio);
+    machine += buf;
+  }
+  std::printf("%s\n", machine.c_str());
 }
 
 }  // namespace
@@ -325,20 +435,54 @@ int main(int argc, char** argv) {
   app.add_option("--context", context, "tokens in each sequence before decoding")
       ->capture_default_str();
   app.add_option("--batches", batches, "decode batch sizes")->capture_default_str();
-  std::string suite = "decoder", model_dir;
+  std::string suite = "decoder", model_dir, device_name = "cpu";
   app.add_option("--model", model_dir,
                  "a llava-hf folder to measure (bf16) instead of random 7B-shape layers");
-  app.add_option("--suite", suite,
-                 "decoder (issue 2 numbers) | policies (Elastic vs Full) | matmul (bf16 GEMM "
-                 "kernels at prefill shapes) | attention (decode attention kernel: --batches, "
-                 "--context rows, --layers)")
-      ->check(CLI::IsMember({"decoder", "policies", "matmul", "attention"}))
+  app.add_option("--device", device_name, "cpu | cuda[:i] (decoder, policies and paper suites)")
       ->capture_default_str();
+  app.add_option("--suite", suite,
+                 "decoder (issue 2 numbers) | policies (Elastic vs Full) | paper (the paper's "
+                 "throughput experiment: --prompt, --answer, --batches, Full vs Elastic 0.2) | "
+                 "matmul (bf16 GEMM kernels at prefill shapes) | attention (decode attention "
+                 "kernel: --batches, --context rows, --layers)")
+      ->check(CLI::IsMember({"decoder", "policies", "paper", "matmul", "attention"}))
+      ->capture_default_str();
+  int answer = 512, max_batch = 128;
+  double kv_budget_gb = 0, gamma = 0.2;
+  bool equal_memory = false;
+  app.add_option("--answer", answer, "paper: answer tokens per sequence")->capture_default_str();
+  app.add_option("--budget", gamma, "paper: Elastic's KV budget")->capture_default_str();
+  app.add_option("--kv-budget-gb", kv_budget_gb,
+                 "paper: KV bytes for the largest-batch arithmetic (0 = Full's at the batch)");
+  app.add_option("--equal-memory", equal_memory,
+                 "paper: also run Elastic at the largest batch that fits in that KV budget")
+      ->capture_default_str();
+  app.add_option("--max-batch", max_batch, "paper: cap on that batch")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   threads = llava::InitTorchThreads(threads);
   at::manual_seed(0);
-  std::printf("cpu_path=%s detected=%s\n", llava::CpuPathName(llava::ActiveCpuPath()),
-              llava::CpuPathName(llava::DetectedCpuPath()));
+  std::printf("cpu_path=%s detected=%s device=%s\n", llava::CpuPathName(llava::ActiveCpuPath()),
+              llava::CpuPathName(llava::DetectedCpuPath()), device_name.c_str());
+  llava::ModelOptions options;
+  options.device = device_name;
+  at::Device device(at::kCPU);
+  try {
+    device = at::Device(device_name);
+  } catch (const c10::Error&) {
+    std::fprintf(stderr, "--device: '%s' is not a device name (cpu, cuda, cuda:1)\n",
+                 device_name.c_str());
+    return 1;
+  }
+  if (!device.is_cpu() && (suite == "matmul" || suite == "attention")) {
+    std::fprintf(stderr, "--suite %s measures the CPU kernels: --device must be cpu\n",
+                 suite.c_str());
+    return 1;
+  }
+  if (device.is_cuda() && !at::hasCUDA()) {
+    std::fprintf(stderr, "--device %s: this libtorch has no CUDA support or sees no GPU\n",
+                 device_name.c_str());
+    return 1;
+  }
 
   if (suite == "attention") {
     for (int b : batches) AttentionSuite(std::max(3, reps), b, context, layers);
@@ -348,30 +492,23 @@ int main(int argc, char** argv) {
     MatmulSuite(std::max(3, reps), threads);
     return 0;
   }
-  const double bandwidth = MeasureReadBandwidth(int64_t{1} << 30);
+  // 1 GiB is far beyond a CPU's caches; a GPU reads it in ~0.3 ms, so it gets 8 GiB there.
+  const double bandwidth =
+      MeasureReadBandwidth(device.is_cpu() ? int64_t{1} << 30 : int64_t{8} << 30, device);
   std::printf("threads=%d read_bandwidth=%.1f GB/s\n", threads, bandwidth / 1e9);
 
-  std::unique_ptr<llava::LoadedModel> loaded;
-  std::unique_ptr<llava::LlavaModel> random;
-  if (!model_dir.empty()) {
-    auto loaded_or = llava::LoadModel(model_dir, llava::ModelOptions());
-    if (!loaded_or.ok()) {
-      std::fprintf(stderr, "%s\n", loaded_or.status().ToString().c_str());
-      return 1;
-    }
-    loaded = std::move(*loaded_or);
-  } else {
-    const llava::LlavaConfig random_config = BenchConfig(layers);
-    auto model_or = llava::LlavaModel::FromWeights(
-        random_config, llava::NewTensorMapSource(RandomWeights(random_config)),
-        llava::ModelOptions());
-    if (!model_or.ok()) {
-      std::fprintf(stderr, "%s\n", model_or.status().ToString().c_str());
-      return 1;
-    }
-    random = std::move(*model_or);
+  const bool loaded = !model_dir.empty();
+  const llava::LlavaConfig random_config = BenchConfig(layers);
+  auto model_or =
+      loaded ? llava::LlavaModel::Load(model_dir, options)
+             : llava::LlavaModel::FromWeights(
+                   random_config, llava::NewTensorMapSource(RandomWeights(random_config, device)),
+                   options);
+  if (!model_or.ok()) {
+    std::fprintf(stderr, "%s\n", model_or.status().ToString().c_str());
+    return 1;
   }
-  const llava::LlavaModel& model = loaded ? loaded->model() : *random;
+  const llava::LlavaModel& model = **model_or;
   const llava::LlavaConfig& config = model.config();
   layers = config.text.num_hidden_layers;
   const int64_t vocab = config.text.vocab_size;
@@ -384,6 +521,12 @@ int main(int argc, char** argv) {
     PolicySuite(model, policy_prompt, policy_context, steps, std::max(3, reps), 0.2);
     return 0;
   }
+  if (suite == "paper") {
+    for (int b : batches) {
+      PaperSuite(model, prompt, answer, b, gamma, kv_budget_gb * 1e9, equal_memory, max_batch);
+    }
+    return 0;
+  }
 
   // Prefill: one prompt through a fresh cache.
   std::vector<double> prefill;
@@ -391,7 +534,7 @@ int main(int argc, char** argv) {
     auto cache = model.NewFullCache();
     at::Tensor emb = model.Embed(at::randint(3, vocab, {prompt}, at::kLong));
     const auto t0 = Clock::now();
-    model.Forward({{emb, 0, cache.get(), false}});
+    Sync(model.Forward({{emb, 0, cache.get(), false}}));
     prefill.push_back(prompt / Seconds(t0));
   }
   const double prefill_tps = Median(prefill);
@@ -406,8 +549,8 @@ int main(int argc, char** argv) {
       std::vector<llava::SequenceChunk> chunks(b);
       for (int i = 0; i < b; ++i) {
         caches.push_back(model.NewFullCache());
-        model.Forward({{model.Embed(at::randint(3, vocab, {context}, at::kLong)), 0,
-                        caches.back().get(), false}});
+        Sync(model.Forward({{model.Embed(at::randint(3, vocab, {context}, at::kLong)), 0,
+                             caches.back().get(), false}}));
       }
       const auto t0 = Clock::now();
       for (int s = 0; s < steps; ++s) {
@@ -416,8 +559,7 @@ int main(int argc, char** argv) {
         for (int i = 0; i < b; ++i) {
           chunks[i] = {emb.narrow(0, i, 1), caches[i]->NextPosition(), caches[i].get(), false};
         }
-        at::Tensor logits = model.Forward(chunks);
-        (void)logits.argmax(-1);
+        Sync(model.Forward(chunks).argmax(-1));
       }
       runs.push_back(double(b) * steps / Seconds(t0));
     }

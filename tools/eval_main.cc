@@ -235,6 +235,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "bf16", "f32"}))
       ->capture_default_str();
   app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
+  std::string device = "cpu";
+  app.add_option("--device", device, "cpu | cuda[:i] (a CUDA libtorch)")->capture_default_str();
   std::string layout = "image_first";
   app.add_option("--layout", layout,
                  "prompt layout: image_first (llava-hf: <image>, then the question) or paper "
@@ -245,6 +247,7 @@ int main(int argc, char** argv) {
   llava::InitTorchThreads(threads);
 
   llava::ModelOptions options;
+  options.device = device;
   llava::ResolveModelDType(dtype, model_dir, &options, nullptr);
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {
