@@ -141,7 +141,8 @@ class CompressingKvCache final : public KvCache {
         policy_(std::move(policy)),
         layers_(layout.num_layers),
         positions_(layout.num_layers),
-        rows_seen_(layout.num_layers, 0) {}
+        rows_seen_(layout.num_layers, 0),
+        pending_scores_(layout.num_layers) {}
 
   const KvLayout& layout() const override { return layout_; }
   void Append(int layer, const at::Tensor& k, const at::Tensor& v) override {
@@ -159,16 +160,21 @@ class CompressingKvCache final : public KvCache {
     // probs [H, rows, len]: while the prompt is fed its blocks arrive in row order, so the
     // block's first row is the prompt position rows_seen_; a block that straddles the policy's
     // split row is handed over as two. Decode rows have no prompt position (-1).
+    auto columns = [&](int64_t begin, int64_t rows) {
+      return probs.narrow(1, begin, rows).sum(at::IntArrayRef{0, 1}).div_(probs.size(0));
+    };
     auto add = [&](int64_t first_row, int64_t begin, int64_t rows) {
-      at::Tensor col = probs.narrow(1, begin, rows)
-                           .sum(at::IntArrayRef{0, 1})
-                           .div_(probs.size(0))
-                           .to(at::kCPU, at::kFloat)
-                           .contiguous();
+      at::Tensor col = columns(begin, rows).to(at::kCPU, at::kFloat).contiguous();
       policy_->AddScores(layer, first_row, col.data_ptr<float>(), col.size(0));
     };
     const int64_t rows = probs.size(1);
-    if (prefilled_) return add(-1, 0, rows);
+    if (prefilled_) {
+      // A decode step's sums stay where they were computed until the step's last layer is done
+      // (OnForwardDone): one copy to the host per step instead of one per layer, which on a GPU
+      // would wait for each layer's kernels before the next layer's could be queued.
+      pending_scores_[layer] = columns(0, rows);
+      return;
+    }
     const int64_t first = rows_seen_[layer];
     rows_seen_[layer] += rows;
     const int64_t split = std::clamp<int64_t>(policy_->ScoreSplitRow() - first, 0, rows);
@@ -183,6 +189,7 @@ class CompressingKvCache final : public KvCache {
       prefilled_ = true;
       return;
     }
+    AddPendingScores();
     const int64_t target = policy_->Target(tokens_seen_);
     for (int l = 0; l < layout_.num_layers; ++l) {
       while (layers_[l].Length() > target) {
@@ -228,6 +235,24 @@ class CompressingKvCache final : public KvCache {
     positions_[l] = std::move(pos);
   }
 
+  // The decode step's column sums of every layer, copied to the host in one piece.
+  void AddPendingScores() {
+    std::vector<at::Tensor> sums;
+    for (const at::Tensor& t : pending_scores_) {
+      if (t.defined()) sums.push_back(t.to(at::kFloat));
+    }
+    if (sums.empty()) return;
+    const at::Tensor host = at::cat(sums).to(at::kCPU).contiguous();
+    const float* p = host.data_ptr<float>();
+    for (int l = 0; l < layout_.num_layers; ++l) {
+      at::Tensor& t = pending_scores_[l];
+      if (!t.defined()) continue;
+      policy_->AddScores(l, -1, p, t.size(0));
+      p += t.size(0);
+      t = at::Tensor();
+    }
+  }
+
   void Evict(int l, int64_t i) {
     layers_[l].Erase(i);
     positions_[l].erase(positions_[l].begin() + i);
@@ -241,6 +266,7 @@ class CompressingKvCache final : public KvCache {
   std::vector<LayerBuffer> layers_;
   std::vector<std::vector<int64_t>> positions_;  // per layer, aligned with the entries
   std::vector<int64_t> rows_seen_;               // per layer: prompt query rows observed
+  std::vector<at::Tensor> pending_scores_;       // per layer: this decode step's column sums
   int64_t tokens_seen_ = 0;
   bool prefilled_ = false;
   int64_t merged_ = 0;   // summed over layers
