@@ -142,8 +142,8 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
   machine += buf;
   for (size_t v = 0; v < variants.size(); ++v) {
     const double pe = Median(variant_s[v]);
-    std::printf("prefill  prompt=%d  full %.3f s  %s(%.2f) %.3f s  overhead %.1f%%\n", prompt, pf,
-                variants[v].first.c_str(), gamma, pe, 100 * (pe / pf - 1));
+    std::printf("prefill  prompt=%d  full %.3f ms  %s(%.2f) %.3f ms  overhead %.1f%%\n", prompt,
+                1e3 * pf, variants[v].first.c_str(), gamma, 1e3 * pe, 100 * (pe / pf - 1));
     std::snprintf(buf, sizeof(buf), " prefill_overhead[%s]=%.3f", variants[v].first.c_str(),
                   pe / pf - 1);
     machine += buf;

@@ -10,6 +10,9 @@
 namespace llava {
 namespace {
 
+bool MergeRowsInPlace(const at::Tensor& rows, const MergePlan& plan);
+bool KeepRowsInPlace(const at::Tensor& rows, const std::vector<int64_t>& kept);
+
 // Growable [kv_heads, capacity, head_dim] buffers for K and V of one layer.
 class LayerBuffer {
  public:
@@ -64,6 +67,30 @@ class LayerBuffer {
                     from + (h * src.stride(0) + i * src.stride(1)) * es, row);
       }
     }
+    return true;
+  }
+  // Applies a prompt plan where the entries are, without allocating (CPU, outside autograd):
+  // the kept or merged rows are written to the first plan.kept.size() slots. False (and nothing
+  // changed) when that does not apply.
+  bool CompressInPlace(const MergePlan& plan) {
+    const at::Tensor k = Keys(), v = Values();
+    auto fits = [](const at::Tensor& t) {
+      return t.device().is_cpu() && !t.requires_grad() && t.stride(2) == 1 &&
+             (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
+    };
+    if (!fits(k) || !fits(v)) return false;
+    const bool merge = plan.merged > 0;
+    if (merge && plan.merge_keys) {
+      MergeRowsInPlace(k, plan);
+    } else {
+      KeepRowsInPlace(k, plan.kept);
+    }
+    if (merge) {
+      MergeRowsInPlace(v, plan);
+    } else {
+      KeepRowsInPlace(v, plan.kept);
+    }
+    len_ = static_cast<int64_t>(plan.kept.size());
     return true;
   }
   at::Tensor Keys() const { return k_.defined() ? k_.narrow(1, 0, len_) : at::Tensor(); }
@@ -222,6 +249,10 @@ class CompressingKvCache final : public KvCache {
     merged_ += plan.merged;
     evicted_ += plan.dropped;
     if (static_cast<int64_t>(plan.kept.size()) == t) return;  // nothing to drop or merge
+    std::vector<int64_t> pos;
+    for (int64_t i : plan.kept) pos.push_back(positions_[l][i]);
+    positions_[l] = std::move(pos);
+    if (buf.CompressInPlace(plan)) return;
     const at::Tensor index = at::tensor(plan.kept, at::kLong).to(buf.Keys().device());
     auto kept = [&](const at::Tensor& rows) { return rows.index_select(1, index); };
     if (plan.merged > 0) {
@@ -230,9 +261,6 @@ class CompressingKvCache final : public KvCache {
     } else {
       buf.Assign(kept(buf.Keys()), kept(buf.Values()));
     }
-    std::vector<int64_t> pos;
-    for (int64_t i : plan.kept) pos.push_back(positions_[l][i]);
-    positions_[l] = std::move(pos);
   }
 
   // The decode step's column sums of every layer, copied to the host in one piece.
@@ -296,12 +324,12 @@ namespace {
 
 // MergeRows on the CPU: one pass over the rows, fp32 accumulators, no tensor ops (a prompt
 // merge is a few hundred rows per layer; ATen's per-op overhead dominated the small model's
-// prefill).
+// prefill). Writes the k merged rows of each head to `out` ([heads, >= k, hd], rows
+// contiguous), which may be `rows` itself: a head's rows are all read before any is written.
 template <typename T>
-at::Tensor MergeRowsCpu(const at::Tensor& rows, const MergePlan& plan) {
+void MergeRowsCpu(const at::Tensor& rows, const MergePlan& plan, const at::Tensor& out) {
   const int64_t heads = rows.size(0), t = rows.size(1), hd = rows.size(2);
   const int64_t k = static_cast<int64_t>(plan.kept.size());
-  at::Tensor out = at::empty({heads, k, hd}, rows.options());
   std::vector<float> acc(k * hd), total(k);
   const T* src = rows.data_ptr<T>();
   T* dst = out.data_ptr<T>();
@@ -318,19 +346,50 @@ at::Tensor MergeRowsCpu(const at::Tensor& rows, const MergePlan& plan) {
       total[b] += w;
     }
     for (int64_t b = 0; b < k; ++b) {
-      for (int64_t d = 0; d < hd; ++d)
-        dst[(h * k + b) * hd + d] = static_cast<T>(acc[b * hd + d] / total[b]);
+      T* row = dst + h * out.stride(0) + b * out.stride(1);
+      for (int64_t d = 0; d < hd; ++d) row[d] = static_cast<T>(acc[b * hd + d] / total[b]);
     }
   }
-  return out;
+}
+
+bool MergeRowsInPlace(const at::Tensor& rows, const MergePlan& plan) {
+  if (rows.scalar_type() == at::kFloat) {
+    MergeRowsCpu<float>(rows, plan, rows);
+  } else if (rows.scalar_type() == at::kBFloat16) {
+    MergeRowsCpu<at::BFloat16>(rows, plan, rows);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Moves rows `kept` (ascending) of every head to the head's first slots, in order.
+bool KeepRowsInPlace(const at::Tensor& rows, const std::vector<int64_t>& kept) {
+  const int64_t row = rows.size(2) * rows.element_size();
+  auto* base = static_cast<char*>(rows.data_ptr());
+  for (int64_t h = 0; h < rows.size(0); ++h) {
+    char* head = base + h * rows.stride(0) * rows.element_size();
+    for (size_t b = 0; b < kept.size(); ++b) {
+      const int64_t from = kept[b];
+      if (from != static_cast<int64_t>(b)) std::memmove(head + b * row, head + from * row, row);
+    }
+  }
+  return true;
 }
 
 }  // namespace
 
 at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan) {
-  if (rows.device().is_cpu() && rows.stride(2) == 1 && !rows.requires_grad()) {
-    if (rows.scalar_type() == at::kFloat) return MergeRowsCpu<float>(rows, plan);
-    if (rows.scalar_type() == at::kBFloat16) return MergeRowsCpu<at::BFloat16>(rows, plan);
+  if (rows.device().is_cpu() && rows.stride(2) == 1 && !rows.requires_grad() &&
+      (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16)) {
+    at::Tensor out = at::empty({rows.size(0), static_cast<int64_t>(plan.kept.size()), rows.size(2)},
+                               rows.options());
+    if (rows.scalar_type() == at::kFloat) {
+      MergeRowsCpu<float>(rows, plan, out);
+    } else {
+      MergeRowsCpu<at::BFloat16>(rows, plan, out);
+    }
+    return out;
   }
   return MergeRowsReference(rows, plan);
 }

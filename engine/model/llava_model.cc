@@ -512,9 +512,10 @@ at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at
       }
     } else {
       if (n > 1) {
-        at::Tensor rows = at::arange(i0, i0 + bn, at::kLong).unsqueeze(1) + (len - n);
-        at::Tensor cols = at::arange(len, at::kLong).unsqueeze(0);
-        at::Tensor masked = (cols > rows).to(scores.device());  // [bn, L]
+        const at::TensorOptions idx = at::TensorOptions(at::kLong).device(scores.device());
+        at::Tensor rows = at::arange(i0, i0 + bn, idx).unsqueeze(1) + (len - n);
+        at::Tensor cols = at::arange(len, idx).unsqueeze(0);
+        at::Tensor masked = cols > rows;  // [bn, L], made where the scores are
         scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
       }
       probs = at::softmax(scores, -1, at::kFloat);
