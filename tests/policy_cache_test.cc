@@ -60,6 +60,15 @@ TEST(MergeRows, AveragesEachBucket) {
     EXPECT_TRUE(at::allclose(MergeRows(view.to(at::kBFloat16), plan).to(at::kFloat),
                              MergeRowsReference(view.to(at::kBFloat16), plan).to(at::kFloat), 1e-2,
                              1e-2));
+    // In place over a cache-like buffer (capacity 16, 10 rows used): the same values in the
+    // first five rows of each head, the rest untouched.
+    for (at::ScalarType type : {at::kFloat, at::kBFloat16}) {
+      at::Tensor buffer = wide.to(type);
+      const at::Tensor before = buffer.clone(), want = MergeRows(buffer.narrow(1, 0, 10), plan);
+      ASSERT_TRUE(MergeRowsInPlace(buffer.narrow(1, 0, 10), plan));
+      EXPECT_TRUE(at::equal(buffer.narrow(1, 0, 5), want)) << weighted;
+      EXPECT_TRUE(at::equal(buffer.narrow(1, 5, 11), before.narrow(1, 5, 11))) << weighted;
+    }
   }
 }
 
@@ -188,6 +197,40 @@ TEST_F(PolicyCacheTest, BudgetOneEqualsFullForEveryPolicy) {
     at::Tensor got = Run(cache.get(), prompt, steps);
     EXPECT_TRUE(at::equal(got, ref)) << CachePolicyName(p);
     EXPECT_EQ(cache->Length(0), 42);
+  }
+}
+
+// After the prompt, the rows a policy keeps are the prompt's own rows, moved into place in the
+// layer's buffer: every kept key (Elastic's product keeps its anchors' keys) and, for the
+// policies that drop rather than merge, every kept value equals Full's row at that position, in
+// every layer and head.
+TEST_F(PolicyCacheTest, KeptRowsAreThePromptRowsAtTheirPositions) {
+  const at::Tensor prompt = Ids(37, 11);
+  PromptSegments segments;
+  segments.images = {{4, 29}};
+  segments.instruction = {29, 37};
+  auto full = NewFullKvCache(model_->kv_layout());
+  model_->Forward({{model_->Embed(prompt), 0, full.get(), false}});
+  for (const char* spec : {"elastic", "h2o", "streaming_llm"}) {
+    CacheParams base;
+    base.budget = 0.4;
+    auto params = ParseCacheSpec(spec, base);
+    ASSERT_TRUE(params.ok()) << params.status().ToString();
+    auto cache = NewKvCache(model_->kv_layout(), *params, segments);
+    model_->Forward({{model_->Embed(prompt), 0, cache.get(), false}});
+    const bool merges = params->policy == CachePolicy::kElastic;
+    ASSERT_FALSE(merges && params->elastic.merge_keys) << spec;
+    for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
+      const std::vector<int64_t>& pos = cache->Positions(l);
+      ASSERT_LT(pos.size(), 37u) << spec;
+      const at::Tensor index = at::tensor(pos, at::kLong);
+      EXPECT_TRUE(at::equal(cache->Keys(l), full->Keys(l).index_select(1, index)))
+          << spec << " layer " << l;
+      if (!merges) {
+        EXPECT_TRUE(at::equal(cache->Values(l), full->Values(l).index_select(1, index)))
+            << spec << " layer " << l;
+      }
+    }
   }
 }
 

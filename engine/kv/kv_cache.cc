@@ -10,7 +10,6 @@
 namespace llava {
 namespace {
 
-bool MergeRowsInPlace(const at::Tensor& rows, const MergePlan& plan);
 bool KeepRowsInPlace(const at::Tensor& rows, const std::vector<int64_t>& kept);
 
 // Growable [kv_heads, capacity, head_dim] buffers for K and V of one layer.
@@ -352,7 +351,10 @@ void MergeRowsCpu(const at::Tensor& rows, const MergePlan& plan, const at::Tenso
   }
 }
 
+}  // namespace
+
 bool MergeRowsInPlace(const at::Tensor& rows, const MergePlan& plan) {
+  if (!rows.device().is_cpu() || rows.requires_grad() || rows.stride(2) != 1) return false;
   if (rows.scalar_type() == at::kFloat) {
     MergeRowsCpu<float>(rows, plan, rows);
   } else if (rows.scalar_type() == at::kBFloat16) {
@@ -362,6 +364,8 @@ bool MergeRowsInPlace(const at::Tensor& rows, const MergePlan& plan) {
   }
   return true;
 }
+
+namespace {
 
 // Moves rows `kept` (ascending) of every head to the head's first slots, in order.
 bool KeepRowsInPlace(const at::Tensor& rows, const std::vector<int64_t>& kept) {

@@ -97,5 +97,9 @@ std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CachePar
 at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan);
 // The same with tensor ops on any device (MergeRows uses it off the CPU; tests compare the two).
 at::Tensor MergeRowsReference(const at::Tensor& rows, const MergePlan& plan);
+// MergeRows written over `rows`' first plan.kept.size() rows of each head (a CPU fp32 or bf16
+// view with contiguous rows, e.g. a cache buffer's; what the cache does after a prompt). False,
+// with nothing written, for any other tensor.
+bool MergeRowsInPlace(const at::Tensor& rows, const MergePlan& plan);
 
 }  // namespace llava
