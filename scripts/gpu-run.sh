@@ -121,10 +121,15 @@ LLAVA_TEST_DEVICE=$device step tests 300 tests.log "$build/device_tests" \
 
 # ---- benchmarks (each key=value line also goes to summary.txt) -----------------------------------
 bench() {
-  local name=$1 limit=$2
+  local name=$1 limit=$2 before
   shift 2
-  step "$name" "$limit" bench.log "$build/llava-bench" --device "$device" "$@"
-  grep -E '^(layers|suite)=' "$out/bench.log" | tail -n 1 | sed "s/^/$name /" >> "$out/summary.txt"
+  before=$(wc -l < "$out/bench.log" 2> /dev/null || echo 0)
+  if step "$name" "$limit" bench.log "$build/llava-bench" --device "$device" "$@"; then
+    tail -n +"$((before + 1))" "$out/bench.log" | grep -E '^(layers|suite)=' | tail -n 1 |
+      sed "s/^/$name /" >> "$out/summary.txt"
+  else
+    echo "$name failed (bench.log)" >> "$out/summary.txt"
+  fi
 }
 if [ "$mode" = smoke ]; then
   bench decoder-smoke 120 --layers 1 --prompt 32 --batches 1 2 --context 16 --steps 4 --reps 2
