@@ -458,11 +458,20 @@ int main(int argc, char** argv) {
                  "paper: also run Elastic at the largest batch that fits in that KV budget")
       ->capture_default_str();
   app.add_option("--max-batch", max_batch, "paper: cap on that batch")->capture_default_str();
+  std::string malloc_mode = "server";
+  app.add_option("--malloc", malloc_mode,
+                 "server (llava-server's malloc settings, runtime.h) | glibc (glibc's defaults)")
+      ->check(CLI::IsMember({"server", "glibc"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  const std::string malloc_said = malloc_mode == "server"
+                                      ? llava::ConfigureMalloc(llava::MallocSettings{})
+                                      : "malloc: glibc's defaults";
   threads = llava::InitTorchThreads(threads);
   at::manual_seed(0);
-  std::printf("cpu_path=%s detected=%s device=%s\n", llava::CpuPathName(llava::ActiveCpuPath()),
-              llava::CpuPathName(llava::DetectedCpuPath()), device_name.c_str());
+  std::printf("cpu_path=%s detected=%s device=%s\n%s\n", llava::CpuPathName(llava::ActiveCpuPath()),
+              llava::CpuPathName(llava::DetectedCpuPath()), device_name.c_str(),
+              malloc_said.c_str());
   llava::ModelOptions options;
   options.device = device_name;
   at::Device device(at::kCPU);

@@ -174,10 +174,26 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--threads", threads, "intra-op threads (0 = one per core)")
       ->envname(env("THREADS"));
+  llava::MallocSettings malloc_settings;
+  int64_t mmap_threshold_mib = malloc_settings.mmap_threshold_bytes >> 20;
+  app.add_option("--malloc-arena-max", malloc_settings.arena_max,
+                 "glibc malloc arenas at most (0 = glibc's default, 8 per core); "
+                 "MALLOC_ARENA_MAX in the environment wins")
+      ->envname(env("MALLOC_ARENA_MAX"))
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--malloc-mmap-threshold-mib", mmap_threshold_mib,
+                 "glibc malloc's fixed mmap and trim threshold in MiB (0 = glibc's sliding one)")
+      ->envname(env("MALLOC_MMAP_THRESHOLD_MIB"))
+      ->check(CLI::Range(0, 2047))
+      ->capture_default_str();
   app.add_option("--shutdown-grace-seconds", grace_s)
       ->envname(env("SHUTDOWN_GRACE_SECONDS"))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  // Before any thread starts: arenas are taken per thread at its first allocation.
+  malloc_settings.mmap_threshold_bytes = mmap_threshold_mib << 20;
+  const std::string malloc_said = llava::ConfigureMalloc(malloc_settings);
   threads = llava::InitTorchThreads(threads);
 
   llava::CacheParams default_kv;
@@ -195,7 +211,8 @@ int main(int argc, char** argv) {
   spdlog::info("cpu kernels: {} (this CPU: {}); weights: {}",
                llava::CpuPathName(llava::ActiveCpuPath()),
                llava::CpuPathName(llava::DetectedCpuPath()), dtype_why);
-  spdlog::info("loading {} ({}, {}, {} threads)", model_dir, dtype, device, threads);
+  spdlog::info("loading {} ({}, {}, {} threads); {}", model_dir, dtype, device, threads,
+               malloc_said);
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {
     spdlog::error("{}", loaded.status().ToString());

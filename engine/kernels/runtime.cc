@@ -3,7 +3,11 @@
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <thread>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 namespace llava {
 
@@ -21,6 +25,36 @@ int InitTorchThreads(int threads) {
     set(1);
   }
   return at::get_num_threads();
+}
+
+std::string ConfigureMalloc(const MallocSettings& settings) {
+#if defined(__GLIBC__)
+  std::string said;
+  auto note = [&said](const std::string& what) { said += (said.empty() ? "" : ", ") + what; };
+  if (std::getenv("MALLOC_ARENA_MAX") != nullptr) {
+    note(std::string("arenas from MALLOC_ARENA_MAX=") + std::getenv("MALLOC_ARENA_MAX"));
+  } else if (settings.arena_max > 0 && mallopt(M_ARENA_MAX, settings.arena_max) == 1) {
+    note("at most " + std::to_string(settings.arena_max) + " arenas");
+  } else {
+    note("glibc's arenas");
+  }
+  const bool env_threshold = std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+                             std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr;
+  const int64_t bytes = settings.mmap_threshold_bytes;
+  if (env_threshold) {
+    note("mmap/trim thresholds from the environment");
+  } else if (bytes > 0 && bytes <= INT32_MAX &&
+             mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) == 1 &&
+             mallopt(M_TRIM_THRESHOLD, static_cast<int>(bytes)) == 1) {
+    note("mmap and trim thresholds " + std::to_string(bytes >> 20) + " MiB");
+  } else {
+    note("glibc's sliding mmap threshold");
+  }
+  return "malloc: " + said;
+#else
+  (void)settings;
+  return "malloc: not glibc, left as it is";
+#endif
 }
 
 }  // namespace llava

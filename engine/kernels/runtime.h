@@ -1,6 +1,9 @@
 // Process-level libtorch setup. Torch-free header.
 #pragma once
 
+#include <cstdint>
+#include <string>
+
 namespace llava {
 
 // Sets libtorch's intra-op thread count (Debian's libtorch starts with 1 on these machines).
@@ -8,5 +11,21 @@ namespace llava {
 // OpenBLAS single-threaded: the engine's fp32 products are split over libtorch's threads
 // (PanelLinear in llava_model.h), and OpenBLAS's own threads would compete with them.
 int InitTorchThreads(int threads);
+
+// glibc malloc settings for a process that serves for days (docs/BENCHMARKS.md, "Soak" and
+// "Elastic prefill overhead"). glibc's defaults cost a server twice:
+// - one arena per thread (up to 8 per core): each of gRPC's and httplib's threads fragments
+//   its own, and a soak's RSS kept rising (+1.86%/h; +0.96%/h with two arenas);
+// - a sliding mmap threshold (128 KiB up to 32 MiB): a prefill's larger tensors get fresh
+//   mappings, and every run pays their page faults again (the default model's Full prefill
+//   ~20% slower; the Elastic/Full overhead read 7% instead of 3.5%).
+struct MallocSettings {
+  int arena_max = 2;                          // 0: glibc's default
+  int64_t mmap_threshold_bytes = 64ll << 20;  // also the trim threshold; 0: glibc's default
+};
+// Applies `settings` with mallopt, except what the environment already set (MALLOC_ARENA_MAX,
+// MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ win). Returns a line for the log saying what
+// is in effect. Without glibc: does nothing and says so.
+std::string ConfigureMalloc(const MallocSettings& settings);
 
 }  // namespace llava

@@ -1,0 +1,40 @@
+// Process-level settings (engine/kernels/runtime.h).
+#include "engine/kernels/runtime.h"
+
+#include <gtest/gtest.h>
+#include <malloc.h>
+
+#include <cstdlib>
+
+namespace llava {
+namespace {
+
+TEST(ConfigureMalloc, BlocksUnderTheFixedThresholdComeFromTheHeap) {
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_")) {
+    GTEST_SKIP() << "the environment sets glibc's thresholds";
+  }
+  MallocSettings settings;
+  settings.arena_max = 0;
+  settings.mmap_threshold_bytes = int64_t{64} << 20;
+  const std::string said = ConfigureMalloc(settings);
+  EXPECT_NE(said.find("thresholds 64 MiB"), std::string::npos) << said;
+  EXPECT_NE(said.find("glibc's arenas"), std::string::npos) << said;
+  // 48 MiB is above glibc's largest sliding threshold (32 MiB): by default a fresh mapping,
+  // whose pages fault in again on every use; with the fixed threshold it comes from the heap.
+  const size_t mapped_before = mallinfo2().hblkhd;
+  void* block = std::malloc(size_t{48} << 20);
+  ASSERT_NE(block, nullptr);
+  const size_t mapped_during = mallinfo2().hblkhd;
+  std::free(block);
+  EXPECT_EQ(mapped_during, mapped_before);
+}
+
+TEST(ConfigureMalloc, TheEnvironmentWins) {
+  ASSERT_EQ(setenv("MALLOC_ARENA_MAX", "3", 1), 0);
+  const std::string said = ConfigureMalloc(MallocSettings{});
+  unsetenv("MALLOC_ARENA_MAX");
+  EXPECT_NE(said.find("MALLOC_ARENA_MAX=3"), std::string::npos) << said;
+}
+
+}  // namespace
+}  // namespace llava
