@@ -1,8 +1,13 @@
 #include "server/convert.h"
 
+#include <google/protobuf/unknown_field_set.h>
+
+#include <climits>
 #include <cmath>
+#include <map>
 
 #include "engine/io/image_io.h"
+#include "engine/io/utf8.h"
 
 namespace llava::server {
 namespace {
@@ -16,7 +21,54 @@ StatusOr<ImageFormat> MimeFormat(const std::string& mime, const std::string& fie
                          "' is not supported (image/jpeg, image/png, image/webp, image/bmp)");
 }
 
+// The API path of the first string field (depth first) in `bytes`, read as `type`, that is not
+// UTF-8. The bytes are walked as protobuf's unknown fields, which keeps strings unchecked.
+std::optional<std::string> FindInvalidUtf8(std::string_view bytes,
+                                           const google::protobuf::Descriptor& type,
+                                           const std::string& prefix, int depth) {
+  using google::protobuf::FieldDescriptor;
+  using google::protobuf::UnknownField;
+  if (depth > 16) return std::nullopt;  // the API nests four deep
+  google::protobuf::UnknownFieldSet fields;
+  if (!fields.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) return std::nullopt;
+  std::map<int, int> occurrences;
+  for (int i = 0; i < fields.field_count(); ++i) {
+    const UnknownField& field = fields.field(i);
+    const int index = occurrences[field.number()]++;
+    const FieldDescriptor* described = type.FindFieldByNumber(field.number());
+    if (described == nullptr || field.type() != UnknownField::TYPE_LENGTH_DELIMITED) continue;
+    std::string path = prefix + described->name();
+    if (described->is_repeated()) path += "[" + std::to_string(index) + "]";
+    if (described->type() == FieldDescriptor::TYPE_STRING &&
+        !IsValidUtf8(field.length_delimited())) {
+      return path;
+    }
+    if (described->type() == FieldDescriptor::TYPE_MESSAGE) {
+      if (auto inner = FindInvalidUtf8(field.length_delimited(), *described->message_type(),
+                                       path + ".", depth + 1)) {
+        return inner;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
+
+Status ParseRequest(std::string_view bytes, google::protobuf::Message* message) {
+  const google::protobuf::Descriptor& type = *message->GetDescriptor();
+  if (bytes.size() <= static_cast<size_t>(INT_MAX) &&
+      message->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    return Status();
+  }
+  if (bytes.size() <= static_cast<size_t>(INT_MAX)) {
+    if (auto field = FindInvalidUtf8(bytes, type, "", 0)) {
+      return InvalidArgument(*field + " is not valid UTF-8");
+    }
+  }
+  return InvalidArgument("the request is not a " + type.full_name() +
+                         " message (protobuf wire format)");
+}
 
 StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
                                                 const RequestDefaults& defaults) {

@@ -10,6 +10,11 @@
 
 namespace llava::server {
 
+// Parses a request message (`message`'s type) from its wire bytes. Protobuf's parser says only
+// that it failed; the error names the string field that is not UTF-8 ("messages[0].content[1]
+// .text": proto3 strings must be), or says the bytes are not that message at all.
+Status ParseRequest(std::string_view bytes, google::protobuf::Message* message);
+
 StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
                                                 const RequestDefaults& defaults);
 

@@ -1,5 +1,8 @@
 #include "server/llava_service.h"
 
+#include <grpcpp/support/proto_buffer_reader.h>
+#include <grpcpp/support/proto_buffer_writer.h>
+
 #include <deque>
 #include <mutex>
 
@@ -10,6 +13,25 @@ namespace {
 
 constexpr char kUnauthenticated[] =
     "this server needs a bearer token: metadata \"authorization: Bearer <token>\"";
+
+// The request's bytes as `message` (convert.h, ParseRequest). Protobuf reads the buffer's slices
+// in place; only a request that fails is copied into one piece to say why.
+Status ParseBuffer(const grpc::ByteBuffer& buffer, google::protobuf::Message* message) {
+  grpc::ByteBuffer reading(buffer);  // shares the slices
+  grpc::ProtoBufferReader reader(&reading);
+  if (message->ParseFromZeroCopyStream(&reader)) return Status();
+  grpc::Slice whole;
+  if (!buffer.DumpToSingleSlice(&whole).ok()) return InvalidArgument("unreadable request");
+  return ParseRequest(std::string_view(reinterpret_cast<const char*>(whole.begin()), whole.size()),
+                      message);
+}
+
+// `message` written into `buffer` for the reply.
+void Serialize(const google::protobuf::Message& message, grpc::ByteBuffer* buffer) {
+  bool own_buffer = false;
+  buffer->Clear();  // the writer wants an empty buffer (the stream reuses one)
+  grpc::SerializationTraits<google::protobuf::Message>::Serialize(message, buffer, &own_buffer);
+}
 
 // Converts the call's deadline (system clock) for the engine (steady clock).
 std::optional<std::chrono::steady_clock::time_point> EngineDeadline(
@@ -41,7 +63,7 @@ StatusOr<GenerationResult> Outcome(const StatusOr<GenerationResult>& result, boo
 class ChatReactor final : public grpc::ServerUnaryReactor {
  public:
   ChatReactor(LlavaServiceImpl* service, grpc::CallbackServerContext* context,
-              const v1::ChatRequest* request, v1::ChatResponse* response)
+              const grpc::ByteBuffer* request, grpc::ByteBuffer* response)
       : service_(service), context_(context) {
     observer_ = std::make_shared<Observer>(this, response);
     uint64_t id = 0;
@@ -61,7 +83,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
 
  private:
   struct Observer : RequestObserver {
-    Observer(ChatReactor* r, v1::ChatResponse* resp) : reactor(r), response(resp) {
+    Observer(ChatReactor* r, grpc::ByteBuffer* resp) : reactor(r), response(resp) {
       metrics = r->service_->metrics();
     }
     void OnAdmitted(double q) override { queue_seconds = q; }
@@ -77,14 +99,16 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
         reactor->Finish(ToGrpcStatus(result.status()));  // the reactor may be gone after this
         return;
       }
-      response->set_request_id(log.id);
-      response->set_text(text);
-      response->set_finish_reason(ToProto(result->finish));
-      FillUsage(*result, queue_seconds, response->mutable_usage());
+      v1::ChatResponse reply;
+      reply.set_request_id(log.id);
+      reply.set_text(text);
+      reply.set_finish_reason(ToProto(result->finish));
+      FillUsage(*result, queue_seconds, reply.mutable_usage());
+      Serialize(reply, response);
       reactor->Finish(grpc::Status::OK);
     }
     ChatReactor* reactor;
-    v1::ChatResponse* response;
+    grpc::ByteBuffer* response;
     std::atomic<bool> deadline_passed{false};
     ServingMetrics* metrics;
     InterTokenClock gaps;
@@ -101,10 +125,10 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
 };
 
 // Streaming Chat: one write in flight at a time; text produced meanwhile is queued.
-class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
+class ChatStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   ChatStreamReactor(LlavaServiceImpl* service, grpc::CallbackServerContext* context,
-                    const v1::ChatRequest* request)
+                    const grpc::ByteBuffer* request)
       : service_(service), context_(context) {
     observer_ = std::make_shared<Observer>(this);
     uint64_t id = 0;
@@ -184,7 +208,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
   void Pump(std::unique_lock<std::mutex> lock) {
     if (writing_ || finished_) return;
     if (!queue_.empty() && !broken_) {
-      current_ = std::move(queue_.front());
+      Serialize(queue_.front(), &current_);
       queue_.pop_front();
       writing_ = true;  // current_ is not touched again until OnWriteDone
       lock.unlock();
@@ -206,7 +230,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<v1::ChatChunk> {
   bool started_ = false;
   std::mutex mu_;
   std::deque<v1::ChatChunk> queue_;           // guarded by mu_
-  v1::ChatChunk current_;                     // guarded by mu_ (the write in flight)
+  grpc::ByteBuffer current_;                  // guarded by mu_ (the write in flight)
   std::optional<grpc::Status> final_status_;  // guarded by mu_
   bool writing_ = false, broken_ = false, finished_ = false;  // guarded by mu_
 };
@@ -226,12 +250,17 @@ std::optional<std::string> LlavaServiceImpl::Authenticate(grpc::CallbackServerCo
 }
 
 grpc::Status LlavaServiceImpl::Start(grpc::CallbackServerContext* context,
-                                     const v1::ChatRequest& request,
+                                     const grpc::ByteBuffer& raw,
                                      std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
                                      RequestLog* log) {
   std::optional<std::string> client = Authenticate(context);
   if (!client) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticated);
   log->client = *client;
+  v1::ChatRequest request;
+  if (Status parsed = ParseBuffer(raw, &request); !parsed.ok()) {
+    gate_->Refused(parsed, "grpc");
+    return ToGrpcStatus(parsed);
+  }
   StatusOr<GenerationRequest> converted = ToGenerationRequest(request, config_.defaults);
   if (!converted.ok()) {
     gate_->Refused(converted.status(), "grpc");
@@ -242,24 +271,31 @@ grpc::Status LlavaServiceImpl::Start(grpc::CallbackServerContext* context,
 }
 
 grpc::ServerUnaryReactor* LlavaServiceImpl::Chat(grpc::CallbackServerContext* context,
-                                                 const v1::ChatRequest* request,
-                                                 v1::ChatResponse* response) {
+                                                 const grpc::ByteBuffer* request,
+                                                 grpc::ByteBuffer* response) {
   return new ChatReactor(this, context, request, response);
 }
 
-grpc::ServerWriteReactor<v1::ChatChunk>* LlavaServiceImpl::ChatStream(
-    grpc::CallbackServerContext* context, const v1::ChatRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* LlavaServiceImpl::ChatStream(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   return new ChatStreamReactor(this, context, request);
 }
 
 grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerContext* context,
-                                                         const v1::GetModelInfoRequest*,
-                                                         v1::ModelInfo* info) {
+                                                         const grpc::ByteBuffer* request,
+                                                         grpc::ByteBuffer* response) {
   auto* reactor = context->DefaultReactor();
   if (!Authenticate(context)) {
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticated));
     return reactor;
   }
+  v1::GetModelInfoRequest parsed;
+  if (Status s = ParseBuffer(*request, &parsed); !s.ok()) {
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
+  v1::ModelInfo reply;
+  v1::ModelInfo* info = &reply;
   const ModelFacts& m = config_.model;
   info->set_model_path(m.model_path);
   info->set_vocab_size(m.vocab_size);
@@ -274,6 +310,7 @@ grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerCon
   info->set_max_tokens_limit(config_.max_tokens_limit);
   info->set_dtype(m.dtype);
   info->set_cpu_path(m.cpu_path);
+  Serialize(reply, response);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

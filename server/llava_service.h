@@ -29,23 +29,34 @@ struct ServiceConfig {
   int64_t kv_cache_bytes = 0;
 };
 
-class LlavaServiceImpl final : public v1::LlavaService::CallbackService {
+// The methods take and give raw bytes and (de)serialize the messages themselves: gRPC's
+// callback API answers a request that protobuf cannot parse (a string field that is not UTF-8,
+// garbage bytes) UNIMPLEMENTED with an empty message; here it is INVALID_ARGUMENT naming the
+// field (convert.h, ParseRequest).
+using RawLlavaService =
+    v1::LlavaService::WithRawCallbackMethod_Chat<v1::LlavaService::WithRawCallbackMethod_ChatStream<
+        v1::LlavaService::WithRawCallbackMethod_GetModelInfo<v1::LlavaService::Service>>>;
+
+class LlavaServiceImpl final : public RawLlavaService {
  public:
   // Borrows `gate`, which must outlive the service.
   LlavaServiceImpl(RequestGate* gate, ServiceConfig config);
 
+  // A ChatRequest -> a ChatResponse.
   grpc::ServerUnaryReactor* Chat(grpc::CallbackServerContext* context,
-                                 const v1::ChatRequest* request,
-                                 v1::ChatResponse* response) override;
-  grpc::ServerWriteReactor<v1::ChatChunk>* ChatStream(grpc::CallbackServerContext* context,
-                                                      const v1::ChatRequest* request) override;
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  // A ChatRequest -> ChatChunks.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* ChatStream(grpc::CallbackServerContext* context,
+                                                         const grpc::ByteBuffer* request) override;
+  // A GetModelInfoRequest -> a ModelInfo.
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
-                                         const v1::GetModelInfoRequest* request,
-                                         v1::ModelInfo* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
 
-  // Authenticates, converts and submits through the gate (request_gate.h); on error nothing
-  // was submitted. Thread-safe.
-  grpc::Status Start(grpc::CallbackServerContext* context, const v1::ChatRequest& request,
+  // Authenticates, parses, converts and submits through the gate (request_gate.h); on error
+  // nothing was submitted. Thread-safe.
+  grpc::Status Start(grpc::CallbackServerContext* context, const grpc::ByteBuffer& request,
                      std::shared_ptr<RequestObserver> observer, uint64_t* engine_id,
                      RequestLog* log);
   // The client's token name, or nullopt (UNAUTHENTICATED) when a needed token is missing or

@@ -1,6 +1,7 @@
 // The gRPC layer against a scripted fake engine: no model, exact control of what the engine
 // says, so conversion, streaming order, usage mapping, status mapping and cancellation are
 // checked on their own.
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -102,8 +103,9 @@ class FakeEngineServiceTest : public ::testing::Test {
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
     ASSERT_GT(port, 0);
-    stub_ = v1::LlavaService::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                                          grpc::InsecureChannelCredentials()));
+    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = v1::LlavaService::NewStub(channel_);
   }
   void TearDown() override { server_->Shutdown(std::chrono::system_clock::now() + 5s); }
 
@@ -124,7 +126,28 @@ class FakeEngineServiceTest : public ::testing::Test {
   RequestGate gate_{&engine_, &metrics_};
   std::unique_ptr<LlavaServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::LlavaService::Stub> stub_;
+
+  // Sends `bytes` as the request of a unary `method` ("/llava.v1.LlavaService/Chat").
+  grpc::Status RawUnaryCall(const std::string& method, const std::string& bytes) {
+    grpc::GenericStub generic(channel_);
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<grpc::Status> status;
+    generic.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
+      std::lock_guard<std::mutex> l(mu);
+      status = s;
+      cv.notify_all();
+    });
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return status.has_value(); });
+    return *status;
+  }
 };
 
 TEST_F(FakeEngineServiceTest, StreamsDeltasInOrderThenUsage) {
@@ -299,6 +322,58 @@ TEST_F(FakeEngineServiceTest, ModelInfoReportsFacts) {
   EXPECT_EQ(info.kv_bytes_per_token(), 524288);
   EXPECT_EQ(info.default_policy(), v1::CACHE_POLICY_ELASTIC);
   EXPECT_DOUBLE_EQ(info.default_budget(), 0.3);
+}
+
+// Protobuf's C++ serializer logs invalid UTF-8 in a string field but sends it; so do other
+// clients. gRPC's own answer to such a request was UNIMPLEMENTED with an empty message.
+TEST_F(FakeEngineServiceTest, TextThatIsNotUtf8IsRefusedNamingTheField) {
+  v1::ChatRequest req = Request();
+  auto* second = req.add_messages();
+  second->set_role(v1::ROLE_USER);
+  second->add_content()->set_text("fine");
+  second->add_content()->set_text("caf\xc3(");
+  const std::string expected = "messages[1].content[1].text is not valid UTF-8";
+  {
+    grpc::ClientContext ctx;
+    v1::ChatResponse resp;
+    const grpc::Status s = stub_->Chat(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(s.error_message(), expected);
+  }
+  {
+    grpc::ClientContext ctx;
+    auto reader = stub_->ChatStream(&ctx, req);
+    v1::ChatChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(s.error_message(), expected);
+  }
+  // Nothing reached the engine, and the service still serves.
+  EXPECT_TRUE(engine_.last_request.messages.empty());
+  grpc::ClientContext ctx;
+  v1::ChatResponse resp;
+  ASSERT_TRUE(stub_->Chat(&ctx, Request(), &resp).ok());
+  EXPECT_EQ(resp.text(), "Hello world");
+}
+
+TEST_F(FakeEngineServiceTest, BytesThatAreNoRequestAreRefused) {
+  const std::string garbage("\xff\xff\xff\xff\xff", 5);
+  grpc::Status s = RawUnaryCall("/llava.v1.LlavaService/Chat", garbage);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(),
+            "the request is not a llava.v1.ChatRequest message (protobuf wire format)");
+  s = RawUnaryCall("/llava.v1.LlavaService/GetModelInfo", garbage);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(),
+            "the request is not a llava.v1.GetModelInfoRequest message (protobuf wire format)");
+  // A request_id (field 1) of two bytes that are not UTF-8.
+  s = RawUnaryCall("/llava.v1.LlavaService/Chat", std::string("\x0a\x02\xff\xfe", 4));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), "request_id is not valid UTF-8");
+  // Well-formed bytes still work through the raw path.
+  s = RawUnaryCall("/llava.v1.LlavaService/Chat", Request().SerializeAsString());
+  EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // gRPC ChatRequest bytes (llava.v1) -> the engine's GenerationRequest (server/convert.h), as a
-// client can send them: protobuf's parser first, then our conversion and its field checks, then the
+// client can send them: the server's parse first (ParseRequest, which says why protobuf refused
+// the bytes), then our conversion and its field checks, then the
 // engine's admission (admission.h).
 #include <cstddef>
 #include <cstdint>
@@ -10,7 +11,12 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   llava::v1::ChatRequest request;
-  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+  const llava::Status parsed = llava::server::ParseRequest(
+      std::string_view(reinterpret_cast<const char*>(data), size), &request);
+  if (!parsed.ok()) {
+    llava::fuzz::CheckRefusal(parsed);
+    return 0;
+  }
   llava::server::RequestDefaults defaults;
   auto converted = llava::server::ToGenerationRequest(request, defaults);
   if (!converted.ok()) {
