@@ -1,7 +1,6 @@
 #include "server/http_endpoint.h"
 
 #include <fcntl.h>
-#include <httplib.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -17,21 +16,42 @@
 
 namespace llava::server {
 
-int StartHttpServer(httplib::Server* http, const std::string& address, std::thread* thread) {
+int ListenOn(const std::string& address, int* bound_port) {
   const size_t colon = address.rfind(':');
   if (colon == std::string::npos || colon + 1 == address.size()) return -1;
   std::string host = address.substr(0, colon);
-  if (host.empty()) host = "0.0.0.0";
-  char* end = nullptr;
-  const long port = std::strtol(address.c_str() + colon + 1, &end, 10);
-  if (*end != '\0' || port < 0 || port > 65535) return -1;
-  const int bound =
-      port == 0 ? http->bind_to_any_port(host)
-                : (http->bind_to_port(host, static_cast<int>(port)) ? static_cast<int>(port) : -1);
-  if (bound < 0) return -1;
-  *thread = std::thread([http] { http->listen_after_bind(); });
-  while (!http->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  return bound;
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  const std::string port = address.substr(colon + 1);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found) != 0) {
+    return -1;
+  }
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 512) != 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  if (fd < 0) return -1;
+  sockaddr_storage bound{};
+  socklen_t len = sizeof(bound);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  *bound_port =
+      ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                        : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  return fd;
 }
 
 struct MetricsHttpServer::Connection {
@@ -68,40 +88,9 @@ MetricsHttpServer::MetricsHttpServer(std::function<std::string()> metrics,
 MetricsHttpServer::~MetricsHttpServer() { Stop(); }
 
 int MetricsHttpServer::Start(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon + 1 == address.size()) return -1;
-  std::string host = address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  const std::string port = address.substr(colon + 1);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found) != 0) {
-    return -1;
-  }
-  int fd = -1;
-  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
-    if (fd < 0) continue;
-    const int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 128) != 0) {
-      ::close(fd);
-      fd = -1;
-    }
-  }
-  ::freeaddrinfo(found);
+  int bound_port = -1;
+  const int fd = ListenOn(address, &bound_port);
   if (fd < 0) return -1;
-  sockaddr_storage bound{};
-  socklen_t len = sizeof(bound);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  const int bound_port =
-      ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                                        : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
     ::close(fd);
     return -1;

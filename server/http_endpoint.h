@@ -15,10 +15,6 @@
 #include <thread>
 #include <utility>
 
-namespace httplib {
-class Server;
-}
-
 namespace llava::server {
 
 class MetricsHttpServer {
@@ -52,8 +48,8 @@ class MetricsHttpServer {
   std::thread thread_;
 };
 
-// Binds `http` to "host:port" ("" host = all interfaces, port 0 = ephemeral) and runs its
-// listener on `thread`; returns the bound port, or -1 (then `thread` is not started).
-int StartHttpServer(httplib::Server* http, const std::string& address, std::thread* thread);
+// Binds a non-blocking listening socket to "host:port" ("" host = all interfaces, "[::1]" for
+// IPv6, port 0 = ephemeral); returns the socket and sets `bound_port`, or -1.
+int ListenOn(const std::string& address, int* bound_port);
 
 }  // namespace llava::server

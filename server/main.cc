@@ -83,9 +83,15 @@ int main(int argc, char** argv) {
       ->envname(env("HTTP_MAX_BODY_BYTES"))
       ->check(CLI::NonNegativeNumber);
   app.add_option("--http-threads", http_threads,
-                 "HTTP connections served at once (0 = --max-batch + --max-queue + 4)")
+                 "HTTP requests served at once (0 = --max-batch + --max-queue + 4)")
       ->envname(env("HTTP_THREADS"))
       ->check(CLI::NonNegativeNumber);
+  int http_max_connections = 1024;
+  app.add_option("--http-max-connections", http_max_connections,
+                 "HTTP connections open at once; a new one closes the oldest idle one")
+      ->envname(env("HTTP_MAX_CONNECTIONS"))
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--served-model-name", served_model_name,
                  "the model id of the HTTP API (default: the model folder's name)")
       ->envname(env("SERVED_MODEL_NAME"));
@@ -279,6 +285,7 @@ int main(int argc, char** argv) {
                             ? static_cast<size_t>(http_max_body_bytes)
                             : static_cast<size_t>(max_image_bytes * max_images / 3 * 4 + (1 << 20));
     oc.threads = http_threads > 0 ? http_threads : max_batch + max_queue + 4;
+    oc.max_connections = http_max_connections;
     oc.tls = tls;  // the same certificate, key and client CA as the gRPC port
     openai = std::make_unique<llava::server::OpenAiServer>(&gate, oc);
     const int http_port = openai->Start(http_listen);

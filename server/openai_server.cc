@@ -1,9 +1,6 @@
 #include "server/openai_server.h"
 
-#include <arpa/inet.h>
-#include <dirent.h>
-#include <httplib.h>
-#include <netinet/in.h>
+#include <openssl/ssl.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
@@ -12,7 +9,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
-#include "server/http_endpoint.h"
+#include "server/http_front.h"
 #include "server/openai_api.h"
 
 namespace llava::server {
@@ -22,34 +19,6 @@ using namespace std::chrono_literals;
 
 // How often a waiting worker looks at its connection for a hang-up.
 constexpr auto kHangupPoll = 50ms;
-
-// The socket of the connection `req` came on. httplib 0.11 (Debian 12) gives handlers no handle
-// to it, so it is found by its two ends among the process's descriptors; -1 if not found (then
-// a hang-up is noticed only when a write fails).
-int ConnectionSocket(const httplib::Request& req) {
-  DIR* dir = ::opendir("/proc/self/fd");
-  if (dir == nullptr) return -1;
-  int found = -1;
-  while (dirent* e = ::readdir(dir)) {
-    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-    const int fd = std::atoi(e->d_name);
-    sockaddr_storage local{}, peer{};
-    socklen_t llen = sizeof(local), plen = sizeof(peer);
-    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0) continue;
-    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &plen) != 0) continue;
-    auto port = [](const sockaddr_storage& a) {
-      if (a.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port);
-      if (a.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port);
-      return uint16_t{0};
-    };
-    if (port(local) == req.local_port && port(peer) == req.remote_port) {
-      found = fd;
-      break;
-    }
-  }
-  ::closedir(dir);
-  return found;
-}
 
 // True once the client has closed its end (or the connection broke).
 bool PeerGone(int fd) {
@@ -119,36 +88,32 @@ OpenAiServer::OpenAiServer(RequestGate* gate, OpenAiServerConfig config)
                    std::chrono::system_clock::now().time_since_epoch())
                    .count()) {}
 
-OpenAiServer::~OpenAiServer() { Stop(); }
-
 bool OpenAiServer::ReloadTls() { return https_ != nullptr && https_->Reload(); }
 
 int OpenAiServer::Start(const std::string& address) {
-  if (config_.tls.cert.empty()) {
-    http_ = std::make_unique<httplib::Server>();
-  } else {
+  if (!config_.tls.cert.empty()) {
     auto https = HttpsContext::Create(config_.tls);
     if (!https.ok()) {
       spdlog::error("HTTP API TLS: {}", https.status().message());
       return -1;
     }
     https_ = std::move(*https);
-    HttpsContext* context = https_.get();
-    auto server = std::make_unique<httplib::SSLServer>(
-        [context](SSL_CTX& ctx) { return context->Configure(ctx); });
-    if (!server->is_valid()) {
+    ssl_ctx_ = SSL_CTX_new(TLS_server_method());
+    if (ssl_ctx_ == nullptr || !https_->Configure(*ssl_ctx_)) {
       spdlog::error("HTTP API TLS: cannot set up the TLS context");
       return -1;
     }
-    http_ = std::move(server);
+    SSL_CTX_set_options(ssl_ctx_, SSL_OP_NO_COMPRESSION | SSL_OP_NO_RENEGOTIATION);
   }
-  httplib::Server& http = *http_;
-  const int threads = std::max(2, config_.threads);
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  http_ = std::make_unique<HttpRoutes>();
+  HttpRoutes& http = *http_;
+  HttpFront::Limits limits;
+  limits.workers = std::max(2, config_.threads);
+  limits.max_connections = std::max(config_.max_connections, limits.workers + 1);
   http.set_payload_max_length(config_.max_body_bytes);
-  http.set_read_timeout(30, 0);
-  http.set_write_timeout(30, 0);
-  http.set_tcp_nodelay(true);  // one small event per token: no Nagle delay
+  // For the Keep-Alive header httplib writes (HttpFront enforces both).
+  http.set_keep_alive_timeout(limits.head_timeout_ms / 1000);
+  http.set_keep_alive_max_count(static_cast<size_t>(limits.max_requests_per_connection));
 
   // Errors httplib answers itself (unknown path, wrong method, body too large) in OpenAI's shape.
   http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
@@ -231,7 +196,7 @@ int OpenAiServer::Start(const std::string& address) {
         meta.created = std::chrono::duration_cast<std::chrono::seconds>(
                            std::chrono::system_clock::now().time_since_epoch())
                            .count();
-        const int fd = ConnectionSocket(req);
+        const int fd = HttpFront::CurrentSocket();
         RequestGate* gate = gate_;
 
         if (!parsed->stream) {
@@ -308,12 +273,18 @@ int OpenAiServer::Start(const std::string& address) {
             });
       });
 
-  return StartHttpServer(&http, address, &thread_);
+  front_ = std::make_unique<HttpFront>(&http, ssl_ctx_, limits);
+  return front_->Start(address);
 }
 
 void OpenAiServer::Stop() {
-  if (http_) http_->stop();
-  if (thread_.joinable()) thread_.join();
+  if (front_) front_->Stop();
+}
+
+OpenAiServer::~OpenAiServer() {
+  Stop();
+  front_.reset();
+  if (ssl_ctx_ != nullptr) SSL_CTX_free(ssl_ctx_);
 }
 
 }  // namespace llava::server

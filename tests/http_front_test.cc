@@ -1,0 +1,211 @@
+// The HTTP API's connection handling (server/http_front.h) with small limits and plain routes:
+// idle, slow and oversized clients against a request that must still be answered at once.
+#include "server/http_front.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace llava::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+int Connect(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  return fd;
+}
+
+void Send(int fd, const std::string& text) {
+  ASSERT_EQ(::send(fd, text.data(), text.size(), MSG_NOSIGNAL), static_cast<ssize_t>(text.size()));
+}
+
+// Everything the server sends until it closes or `timeout` passes.
+std::string ReadAll(int fd, std::chrono::milliseconds timeout) {
+  std::string out;
+  const auto end = Clock::now() + timeout;
+  char buf[4096];
+  while (Clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now());
+    if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(1, left.count()))) <= 0) break;
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// True if the server closed `fd` within `timeout` (reads to the end of the stream).
+bool ClosedWithin(int fd, std::chrono::milliseconds timeout) {
+  const auto end = Clock::now() + timeout;
+  char buf[4096];
+  while (Clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 10) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) return true;
+  }
+  return false;
+}
+
+class HttpFrontTest : public ::testing::Test {
+ protected:
+  void StartWith(HttpFront::Limits limits) {
+    routes_.Get("/ping", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content("pong", "text/plain");
+    });
+    routes_.Post("/echo", [](const httplib::Request& req, httplib::Response& res) {
+      res.set_content(req.body, "text/plain");
+    });
+    routes_.Get("/stream", [](const httplib::Request&, httplib::Response& res) {
+      auto sent = std::make_shared<int>(0);
+      res.set_chunked_content_provider("text/plain", [sent](size_t, httplib::DataSink& sink) {
+        if (*sent == 3) {
+          sink.done();
+          return true;
+        }
+        const std::string part = "part" + std::to_string((*sent)++) + ";";
+        return sink.write(part.data(), part.size());
+      });
+    });
+    front_ = std::make_unique<HttpFront>(&routes_, nullptr, limits);
+    port_ = front_->Start("127.0.0.1:0");
+    ASSERT_GT(port_, 0);
+  }
+  // GET /ping on a new connection: the time to the answer, or a minute if none came.
+  std::chrono::milliseconds PingTime() {
+    const auto t0 = Clock::now();
+    const int fd = Connect(port_);
+    Send(fd, "GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    const std::string reply = ReadAll(fd, 5000ms);
+    ::close(fd);
+    if (reply.find("\r\n\r\npong") == std::string::npos) return 60000ms;
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+  }
+  void TearDown() override {
+    if (front_) front_->Stop();
+  }
+
+  HttpRoutes routes_;
+  std::unique_ptr<HttpFront> front_;
+  int port_ = -1;
+};
+
+TEST_F(HttpFrontTest, KeepsConnectionsAliveAndAnswersPipelinedRequestsInOrder) {
+  StartWith(HttpFront::Limits());
+  const int fd = Connect(port_);
+  Send(fd,
+       "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nfirstGET /ping HTTP/1.1\r\n"
+       "Host: x\r\n\r\n");
+  std::string reply = ReadAll(fd, 500ms);
+  const size_t first = reply.find("\r\n\r\nfirst"), second = reply.find("\r\n\r\npong");
+  EXPECT_NE(first, std::string::npos) << reply;
+  EXPECT_NE(second, std::string::npos) << reply;
+  EXPECT_LT(first, second);
+  // The connection is still open for a third request.
+  Send(fd, "GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  reply = ReadAll(fd, 2000ms);
+  EXPECT_NE(reply.find("\r\n\r\npong"), std::string::npos) << reply;
+  ::close(fd);
+}
+
+TEST_F(HttpFrontTest, StreamsChunkedResponses) {
+  StartWith(HttpFront::Limits());
+  const int fd = Connect(port_);
+  Send(fd, "GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  const std::string reply = ReadAll(fd, 2000ms);
+  ::close(fd);
+  EXPECT_NE(reply.find("Transfer-Encoding: chunked"), std::string::npos) << reply;
+  for (const char* part : {"part0;", "part1;", "part2;"}) {
+    EXPECT_NE(reply.find(part), std::string::npos) << reply;
+  }
+}
+
+TEST_F(HttpFrontTest, IdleConnectionsHoldNoWorkerAndTheOldestMakeRoom) {
+  HttpFront::Limits limits;
+  limits.workers = 2;
+  limits.max_connections = 8;
+  StartWith(limits);
+  std::vector<int> idle;
+  for (int i = 0; i < 40; ++i) idle.push_back(Connect(port_));
+  std::this_thread::sleep_for(200ms);  // all accepted
+  EXPECT_LT(PingTime(), 1000ms);
+  // The cap closed the oldest; the newest (fewer than the cap) are still open.
+  EXPECT_TRUE(ClosedWithin(idle.front(), 500ms));
+  EXPECT_FALSE(ClosedWithin(idle.back(), 100ms));
+  for (int fd : idle) ::close(fd);
+}
+
+TEST_F(HttpFrontTest, SlowHeadsHoldNoWorkerAndEndAtTheDeadline) {
+  HttpFront::Limits limits;
+  limits.workers = 1;
+  limits.head_timeout_ms = 800;
+  StartWith(limits);
+  // Three clients that send a request head a byte every 50 ms: more than the workers.
+  std::vector<int> slow;
+  for (int i = 0; i < 3; ++i) slow.push_back(Connect(port_));
+  const std::string head = "GET /ping HTTP/1.1\r\nHost: a-very-long-host-name.example\r\n";
+  std::atomic<bool> trickling{true};
+  std::thread trickle([&] {
+    for (size_t i = 0; i < head.size() && trickling; ++i) {
+      for (int fd : slow) ::send(fd, &head[i], 1, MSG_NOSIGNAL);
+      std::this_thread::sleep_for(50ms);
+    }
+  });
+  std::this_thread::sleep_for(150ms);
+  EXPECT_LT(PingTime(), 500ms);
+  // The deadline counts from the connection, not from the last byte.
+  const auto t0 = Clock::now();
+  for (int fd : slow) {
+    const std::string reply = ReadAll(fd, 3000ms);
+    EXPECT_NE(reply.find("408 Request Timeout"), std::string::npos) << reply;
+  }
+  EXPECT_LT(Clock::now() - t0, 1500ms);
+  trickling = false;
+  trickle.join();
+  for (int fd : slow) ::close(fd);
+}
+
+TEST_F(HttpFrontTest, ASlowBodyEndsAtItsDeadlineAndFreesTheWorker) {
+  HttpFront::Limits limits;
+  limits.workers = 1;
+  limits.body_timeout_ms = 500;
+  StartWith(limits);
+  const int fd = Connect(port_);
+  Send(fd, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{");
+  const auto t0 = Clock::now();
+  EXPECT_TRUE(ClosedWithin(fd, 2000ms));
+  EXPECT_LT(Clock::now() - t0, 1500ms);
+  ::close(fd);
+  EXPECT_LT(PingTime(), 500ms);
+}
+
+TEST_F(HttpFrontTest, AnOversizedHeadIsRefused) {
+  HttpFront::Limits limits;
+  limits.max_head_bytes = 1024;
+  StartWith(limits);
+  const int fd = Connect(port_);
+  Send(fd, "GET /ping HTTP/1.1\r\nX-Big: " + std::string(4096, 'a') + "\r\n\r\n");
+  const std::string reply = ReadAll(fd, 2000ms);
+  ::close(fd);
+  EXPECT_NE(reply.find("431"), std::string::npos) << reply;
+  EXPECT_LT(PingTime(), 500ms);
+}
+
+}  // namespace
+}  // namespace llava::server
