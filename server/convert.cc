@@ -56,11 +56,14 @@ std::optional<std::string> FindInvalidUtf8(std::string_view bytes,
 }  // namespace
 
 Status ParseRequest(std::string_view bytes, google::protobuf::Message* message) {
-  const google::protobuf::Descriptor& type = *message->GetDescriptor();
   if (bytes.size() <= static_cast<size_t>(INT_MAX) &&
       message->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
     return Status();
   }
+  return WhyUnparsable(bytes, *message->GetDescriptor());
+}
+
+Status WhyUnparsable(std::string_view bytes, const google::protobuf::Descriptor& type) {
   if (bytes.size() <= static_cast<size_t>(INT_MAX)) {
     if (auto field = FindInvalidUtf8(bytes, type, "", 0)) {
       return InvalidArgument(*field + " is not valid UTF-8");

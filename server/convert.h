@@ -14,6 +14,8 @@ namespace llava::server {
 // that it failed; the error names the string field that is not UTF-8 ("messages[0].content[1]
 // .text": proto3 strings must be), or says the bytes are not that message at all.
 Status ParseRequest(std::string_view bytes, google::protobuf::Message* message);
+// The error ParseRequest gives for `bytes` that protobuf refused to parse as `type`.
+Status WhyUnparsable(std::string_view bytes, const google::protobuf::Descriptor& type);
 
 StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
                                                 const RequestDefaults& defaults);

@@ -22,8 +22,8 @@ Status ParseBuffer(const grpc::ByteBuffer& buffer, google::protobuf::Message* me
   if (message->ParseFromZeroCopyStream(&reader)) return Status();
   grpc::Slice whole;
   if (!buffer.DumpToSingleSlice(&whole).ok()) return InvalidArgument("unreadable request");
-  return ParseRequest(std::string_view(reinterpret_cast<const char*>(whole.begin()), whole.size()),
-                      message);
+  return WhyUnparsable(std::string_view(reinterpret_cast<const char*>(whole.begin()), whole.size()),
+                       *message->GetDescriptor());
 }
 
 // `message` written into `buffer` for the reply.
