@@ -400,29 +400,37 @@ void HttpFront::WorkerLoop() {
 }
 
 void HttpFront::Serve(std::unique_ptr<Connection> c) {
-  bool last;
-  {
+  for (;;) {
+    bool last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last = stopping_ || ++c->served >= limits_.max_requests_per_connection;
+    }
+    Stream stream(c.get(), NowMs() + limits_.body_timeout_ms, limits_.write_timeout_ms);
+    bool closed = false;
+    t_current_socket = c->fd;
+    const bool ok = http_->process_request(stream, last, closed, [](httplib::Request&) {});
+    t_current_socket = -1;
+    if (!ok || closed || last || stream.broken()) return;  // closes it
+    c->in.erase(0, c->taken);
+    c->taken = 0;
+    c->deadline_ms = NowMs() + limits_.head_timeout_ms;
+    // A client on a kept-alive connection usually sends its next request at once: waiting a
+    // little for it here saves the hand-offs to the poller and back to a worker, two thread
+    // wake-ups that cost ~20 ms of TTFT at 8 streams on a busy 2-core host. Only what has
+    // arrived is read; a head still incomplete goes to the poller like an idle connection.
+    if (HeadEnd(c->in, 0) == std::string::npos &&
+        ((c->ssl != nullptr && SSL_pending(c->ssl) > 0) ||
+         WaitFor(c->fd, POLLIN, NowMs() + limits_.linger_ms))) {
+      if (!ReadHead(c.get())) return;
+    }
     std::lock_guard<std::mutex> lock(mu_);
-    last = stopping_ || ++c->served >= limits_.max_requests_per_connection;
-  }
-  Stream stream(c.get(), NowMs() + limits_.body_timeout_ms, limits_.write_timeout_ms);
-  bool closed = false;
-  t_current_socket = c->fd;
-  const bool ok = http_->process_request(stream, last, closed, [](httplib::Request&) {});
-  t_current_socket = -1;
-  if (!ok || closed || last || stream.broken()) return;  // closes it
-  c->in.erase(0, c->taken);
-  c->taken = 0;
-  c->deadline_ms = NowMs() + limits_.head_timeout_ms;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_) return;
-  if (HeadEnd(c->in, 0) != std::string::npos) {  // the client sent its next request already
-    ready_.push_back(std::move(c));
-    ready_cv_.notify_one();
+    if (stopping_) return;
+    if (HeadEnd(c->in, 0) != std::string::npos) continue;  // serve the next one here
+    returned_.push_back(std::move(c));
+    Wake();
     return;
   }
-  returned_.push_back(std::move(c));
-  Wake();
 }
 
 }  // namespace llava::server

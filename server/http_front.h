@@ -9,7 +9,8 @@
 //   the previous response, for a kept-alive connection), else the connection is closed;
 // - only a request whose head is complete takes a worker, which reads the body (whole body
 //   within `body_timeout_ms`), runs httplib's routing and handler and writes the response (each
-//   write within `write_timeout_ms`: a stream to a client that stopped reading ends);
+//   write within `write_timeout_ms`: a stream to a client that stopped reading ends), then
+//   waits up to `linger_ms` for the connection's next request before handing it back;
 // - at most `max_connections` are open; a new one closes the oldest idle one.
 // Requests wait for a worker in arrival order; the handlers' own limits (RequestGate's queue)
 // apply as before.
@@ -53,6 +54,7 @@ class HttpFront {
     int write_timeout_ms = 30000;      // each write of the response
     size_t max_head_bytes = 64 << 10;  // request line and headers; more is a 431
     int max_requests_per_connection = 1000;
+    int linger_ms = 50;  // after a response, a worker waits this long for the next request
   };
   // Borrows `http` (routes and handlers; its listen functions are not used) and `tls` (null:
   // plain HTTP), which must outlive the front.
