@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "engine/kernels/cpu_features.h"
+#include "server/tsan.h"
 
 namespace llava::server {
 namespace {
@@ -69,6 +70,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     uint64_t id = 0;
     grpc::Status s = service->Start(context, *request, observer_, &id, &observer_->log);
     if (!s.ok()) {
+      LLAVA_HANDED_TO_GRPC(this);
       Finish(s);
       return;
     }
@@ -76,10 +78,14 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     started_ = true;
   }
   void OnCancel() override {
+    LLAVA_CALLED_BY_GRPC(this);
     observer_->deadline_passed = DeadlinePassed(context_);
     if (started_) service_->gate()->Cancel(engine_id_);
   }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    LLAVA_CALLED_BY_GRPC(this);
+    delete this;
+  }
 
  private:
   struct Observer : RequestObserver {
@@ -96,6 +102,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
       LogRequest(log, result, queue_seconds);
       if (metrics) metrics->RecordFinished(result, queue_seconds, log.policy, log.api);
       if (!result.ok()) {
+        LLAVA_HANDED_TO_GRPC(reactor);
         reactor->Finish(ToGrpcStatus(result.status()));  // the reactor may be gone after this
         return;
       }
@@ -105,6 +112,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
       reply.set_finish_reason(ToProto(result->finish));
       FillUsage(*result, queue_seconds, reply.mutable_usage());
       Serialize(reply, response);
+      LLAVA_HANDED_TO_GRPC(reactor);
       reactor->Finish(grpc::Status::OK);
     }
     ChatReactor* reactor;
@@ -134,6 +142,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     uint64_t id = 0;
     grpc::Status s = service->Start(context, *request, observer_, &id, &observer_->log);
     if (!s.ok()) {
+      LLAVA_HANDED_TO_GRPC(this);
       Finish(s);
       return;
     }
@@ -141,16 +150,21 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     started_ = true;
   }
   void OnWriteDone(bool ok) override {
+    LLAVA_CALLED_BY_GRPC(this);
     std::unique_lock<std::mutex> lock(mu_);
     writing_ = false;
     if (!ok) broken_ = true;  // the client went away; OnCancel cancels the engine request
     Pump(std::move(lock));
   }
   void OnCancel() override {
+    LLAVA_CALLED_BY_GRPC(this);
     observer_->deadline_passed = DeadlinePassed(context_);
     if (started_) service_->gate()->Cancel(engine_id_);
   }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    LLAVA_CALLED_BY_GRPC(this);
+    delete this;
+  }
 
  private:
   struct Observer : RequestObserver {
@@ -212,6 +226,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
       queue_.pop_front();
       writing_ = true;  // current_ is not touched again until OnWriteDone
       lock.unlock();
+      LLAVA_HANDED_TO_GRPC(this);
       StartWrite(&current_);
       return;
     }
@@ -220,6 +235,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     const grpc::Status status =
         broken_ && final_status_->ok() ? grpc::Status::CANCELLED : *final_status_;
     lock.unlock();
+    LLAVA_HANDED_TO_GRPC(this);
     Finish(status);
   }
 
