@@ -195,8 +195,8 @@ class HttpFront::Stream final : public httplib::Stream {
   bool broken_ = false;
 };
 
-HttpFront::HttpFront(HttpRoutes* http, ssl_ctx_st* tls, Limits limits)
-    : http_(http), tls_(tls), limits_(limits) {}
+HttpFront::HttpFront(HttpRoutes* http, ssl_ctx_st* tls, Limits limits, Events events)
+    : http_(http), tls_(tls), limits_(limits), events_(std::move(events)) {}
 
 HttpFront::~HttpFront() { Stop(); }
 
@@ -254,7 +254,8 @@ bool HttpFront::ReadHead(Connection* c) {
         c->want = e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT;
         return true;
       }
-      return false;  // not TLS, a protocol the context refuses, no client certificate, ...
+      Closed("tls_handshake");  // not TLS, a protocol the context refuses, no client certificate
+      return false;
     }
     c->handshaken = true;
   }
@@ -292,6 +293,7 @@ bool HttpFront::ReadHead(Connection* c) {
       SendAndForget(c->fd, c->ssl,
                     "HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\n"
                     "Connection: close\r\n\r\n");
+      Closed("head_too_large");
       return false;
     }
   }
@@ -314,6 +316,7 @@ void HttpFront::PollLoop() {
       fds.push_back({c->fd, c->want, 0});
       next = std::min(next, c->deadline_ms);
     }
+    if (events_.connections) events_.connections(open.load());
     const int n =
         ::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, next - now)));
     if (n < 0 && errno != EINTR) break;
@@ -341,6 +344,7 @@ void HttpFront::PollLoop() {
                         "HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
                         "Connection: close\r\n\r\n");
         }
+        Closed("head_timeout");
         keep = false;
       }
       if (!keep) idle.erase(idle.begin() + static_cast<std::ptrdiff_t>(i));
@@ -373,6 +377,7 @@ void HttpFront::PollLoop() {
         auto c = std::make_unique<Connection>(fd, ssl, &open);
         c->deadline_ms = now + limits_.head_timeout_ms;
         if (open.load() > limits_.max_connections) {
+          Closed("cap");
           if (idle.empty()) continue;  // every connection has a request in hand: refuse this one
           idle.erase(idle.begin());    // the oldest idle one makes room
         }

@@ -25,6 +25,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,9 +57,16 @@ class HttpFront {
     int max_requests_per_connection = 1000;
     int linger_ms = 50;  // after a response, a worker waits this long for the next request
   };
+  // What the front reports, for metrics; either may be empty; called from the front's threads.
+  struct Events {
+    std::function<void(int open)> connections;  // connections open, at least once a second
+    // A connection the server closed for a limit: "cap" (the oldest idle one, for a new one),
+    // "head_timeout", "head_too_large", "tls_handshake" (failed: not TLS, no client certificate).
+    std::function<void(const char* reason)> closed;
+  };
   // Borrows `http` (routes and handlers; its listen functions are not used) and `tls` (null:
   // plain HTTP), which must outlive the front.
-  HttpFront(HttpRoutes* http, ::ssl_ctx_st* tls, Limits limits);
+  HttpFront(HttpRoutes* http, ::ssl_ctx_st* tls, Limits limits, Events events = {});
   ~HttpFront();  // Stop()
   // Binds "host:port" (port 0 = ephemeral) and starts serving; the bound port, or -1.
   int Start(const std::string& address);
@@ -80,10 +88,14 @@ class HttpFront {
   bool ReadHead(Connection* c);
   void Serve(std::unique_ptr<Connection> c);
   void Wake();
+  void Closed(const char* reason) const {
+    if (events_.closed) events_.closed(reason);
+  }
 
   HttpRoutes* http_;
   ::ssl_ctx_st* tls_;
   const Limits limits_;
+  const Events events_;
   int listen_fd_ = -1;
   int wake_[2] = {-1, -1};  // a pipe: workers hand connections back, Stop ends the poll
   std::thread poller_;

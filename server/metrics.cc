@@ -112,6 +112,18 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
   for (const char* r : {"stop", "length", "cancelled", "error"})
     finished_->Add({{"finish_reason", r}});
   for (const char* api : {"grpc", "openai"}) status_->Add({{"code", "OK"}, {"api", api}});
+  http_connections_ =
+      gauge("llava_http_connections", "Connections open on the OpenAI-compatible HTTP port.");
+  http_closed_ = &BuildCounter()
+                      .Name("llava_http_connections_closed_total")
+                      .Help(
+                          "HTTP API connections the server closed for a limit, by reason: cap "
+                          "(the oldest idle one, for a new one), head_timeout, head_too_large, "
+                          "tls_handshake.")
+                      .Register(*registry_);
+  for (const char* r : {"cap", "head_timeout", "head_too_large", "tls_handshake"}) {
+    http_closed_->Add({{"reason", r}});
+  }
 
   resident_bytes_ = gauge("process_resident_memory_bytes", "Resident memory size in bytes.");
   virtual_bytes_ = gauge("process_virtual_memory_bytes", "Virtual memory size in bytes.");

@@ -33,6 +33,12 @@ class ServingMetrics {
   void RecordUnauthenticated(const std::string& api) {
     status_->Add({{"code", "UNAUTHENTICATED"}, {"api", api}}).Increment();
   }
+  // The OpenAI-compatible port's connections (http_front.h): open now, and those the server
+  // closed for a limit, by reason.
+  void SetHttpConnections(int open) { http_connections_->Set(open); }
+  void RecordHttpConnectionClosed(const char* reason) {
+    http_closed_->Add({{"reason", reason}}).Increment();
+  }
   // Time between two streamed pieces of one request.
   void RecordInterToken(double seconds) { inter_token_->Observe(seconds); }
   // Refreshes the gauges from the engine (called before each scrape).
@@ -74,6 +80,8 @@ class ServingMetrics {
   prometheus::Histogram* vision_;
   prometheus::Family<prometheus::Counter>* finished_;  // by finish_reason
   prometheus::Family<prometheus::Counter>* status_;    // by gRPC status code and API
+  prometheus::Gauge* http_connections_;
+  prometheus::Family<prometheus::Counter>* http_closed_;  // by reason
 };
 
 }  // namespace llava::server

@@ -273,7 +273,12 @@ int OpenAiServer::Start(const std::string& address) {
             });
       });
 
-  front_ = std::make_unique<HttpFront>(&http, ssl_ctx_, limits);
+  HttpFront::Events events;
+  if (ServingMetrics* metrics = gate_->metrics()) {
+    events.connections = [metrics](int open) { metrics->SetHttpConnections(open); };
+    events.closed = [metrics](const char* reason) { metrics->RecordHttpConnectionClosed(reason); };
+  }
+  front_ = std::make_unique<HttpFront>(&http, ssl_ctx_, limits, std::move(events));
   return front_->Start(address);
 }
 

@@ -363,7 +363,9 @@ TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
                              "llava_generation_tokens_total",
                              "llava_request_success_total{finish_reason=",
                              "llava_request_status_total{api=",
-                             "llava_batch_size"}) {
+                             "llava_batch_size",
+                             "llava_http_connections",
+                             "llava_http_connections_closed_total{reason=\"cap\"}"}) {
     EXPECT_NE(http.find(series), std::string::npos) << series;
   }
   // The request ran under the default policy (Elastic): its savings are counted under it.
