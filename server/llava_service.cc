@@ -222,10 +222,11 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   void Pump(std::unique_lock<std::mutex> lock) {
     if (writing_ || finished_) return;
     if (!queue_.empty() && !broken_) {
-      Serialize(queue_.front(), &current_);
+      const v1::ChatChunk next = std::move(queue_.front());
       queue_.pop_front();
-      writing_ = true;  // current_ is not touched again until OnWriteDone
+      writing_ = true;  // only this thread touches current_ until OnWriteDone
       lock.unlock();
+      Serialize(next, &current_);  // outside the lock the engine thread takes for every token
       LLAVA_HANDED_TO_GRPC(this);
       StartWrite(&current_);
       return;
@@ -246,7 +247,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   bool started_ = false;
   std::mutex mu_;
   std::deque<v1::ChatChunk> queue_;           // guarded by mu_
-  grpc::ByteBuffer current_;                  // guarded by mu_ (the write in flight)
+  grpc::ByteBuffer current_;                  // the write in flight (owned while writing_)
   std::optional<grpc::Status> final_status_;  // guarded by mu_
   bool writing_ = false, broken_ = false, finished_ = false;  // guarded by mu_
 };
@@ -310,23 +311,22 @@ grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerCon
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
-  v1::ModelInfo reply;
-  v1::ModelInfo* info = &reply;
+  v1::ModelInfo info;
   const ModelFacts& m = config_.model;
-  info->set_model_path(m.model_path);
-  info->set_vocab_size(m.vocab_size);
-  info->set_context_length(m.context_length);
-  info->set_image_size(m.image_size);
-  info->set_image_tokens(m.image_tokens);
-  info->set_num_layers(m.num_layers);
-  info->set_kv_bytes_per_token(m.kv_bytes_per_token);
-  info->set_kv_cache_budget_bytes(config_.kv_cache_bytes);
-  info->set_default_policy(ToProto(config_.defaults.kv.policy));
-  info->set_default_budget(config_.defaults.kv.budget);
-  info->set_max_tokens_limit(config_.max_tokens_limit);
-  info->set_dtype(m.dtype);
-  info->set_cpu_path(m.cpu_path);
-  Serialize(reply, response);
+  info.set_model_path(m.model_path);
+  info.set_vocab_size(m.vocab_size);
+  info.set_context_length(m.context_length);
+  info.set_image_size(m.image_size);
+  info.set_image_tokens(m.image_tokens);
+  info.set_num_layers(m.num_layers);
+  info.set_kv_bytes_per_token(m.kv_bytes_per_token);
+  info.set_kv_cache_budget_bytes(config_.kv_cache_bytes);
+  info.set_default_policy(ToProto(config_.defaults.kv.policy));
+  info.set_default_budget(config_.defaults.kv.budget);
+  info.set_max_tokens_limit(config_.max_tokens_limit);
+  info.set_dtype(m.dtype);
+  info.set_cpu_path(m.cpu_path);
+  Serialize(info, response);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
