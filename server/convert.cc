@@ -1,6 +1,10 @@
 #include "server/convert.h"
 
+#include <google/protobuf/stubs/common.h>
 #include <google/protobuf/unknown_field_set.h>
+#if GOOGLE_PROTOBUF_VERSION < 4022000
+#include <google/protobuf/stubs/logging.h>
+#endif
 
 #include <climits>
 #include <cmath>
@@ -56,6 +60,11 @@ std::optional<std::string> FindInvalidUtf8(std::string_view bytes,
 }  // namespace
 
 Status ParseRequest(std::string_view bytes, google::protobuf::Message* message) {
+#if GOOGLE_PROTOBUF_VERSION < 4022000
+  // protobuf writes an ERROR line to stderr for every string that is not UTF-8: a client could
+  // write to the server's log at will. The answer names the field instead.
+  google::protobuf::LogSilencer quiet;
+#endif
   if (bytes.size() <= static_cast<size_t>(INT_MAX) &&
       message->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
     return Status();

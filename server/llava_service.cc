@@ -1,7 +1,11 @@
 #include "server/llava_service.h"
 
+#include <google/protobuf/stubs/common.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 #include <grpcpp/support/proto_buffer_writer.h>
+#if GOOGLE_PROTOBUF_VERSION < 4022000
+#include <google/protobuf/stubs/logging.h>
+#endif
 
 #include <deque>
 #include <mutex>
@@ -20,6 +24,9 @@ constexpr char kUnauthenticated[] =
 Status ParseBuffer(const grpc::ByteBuffer& buffer, google::protobuf::Message* message) {
   grpc::ByteBuffer reading(buffer);  // shares the slices
   grpc::ProtoBufferReader reader(&reading);
+#if GOOGLE_PROTOBUF_VERSION < 4022000
+  google::protobuf::LogSilencer quiet;  // no log line per bad string (convert.cc, ParseRequest)
+#endif
   if (message->ParseFromZeroCopyStream(&reader)) return Status();
   grpc::Slice whole;
   if (!buffer.DumpToSingleSlice(&whole).ok()) return InvalidArgument("unreadable request");
@@ -76,6 +83,7 @@ class ChatReactor final : public grpc::ServerUnaryReactor {
     }
     engine_id_ = id;
     started_ = true;
+    LLAVA_HANDED_TO_GRPC(this);  // gRPC's threads call OnCancel and OnDone once this returns
   }
   void OnCancel() override {
     LLAVA_CALLED_BY_GRPC(this);
@@ -148,6 +156,7 @@ class ChatStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     }
     engine_id_ = id;
     started_ = true;
+    LLAVA_HANDED_TO_GRPC(this);  // gRPC's threads call OnCancel and OnDone once this returns
   }
   void OnWriteDone(bool ok) override {
     LLAVA_CALLED_BY_GRPC(this);
