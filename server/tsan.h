@@ -4,7 +4,15 @@
 // it; they compile to nothing outside a TSan build (-DLLAVA_SANITIZE=thread).
 #pragma once
 
-#if defined(__SANITIZE_THREAD__)
+#if defined(__SANITIZE_THREAD__)  // gcc
+#define LLAVA_TSAN 1
+#elif defined(__has_feature)  // clang
+#if __has_feature(thread_sanitizer)
+#define LLAVA_TSAN 1
+#endif
+#endif
+
+#if defined(LLAVA_TSAN)
 #include <sanitizer/tsan_interface.h>
 #define LLAVA_HANDED_TO_GRPC(p) __tsan_release(static_cast<void*>(p))
 #define LLAVA_CALLED_BY_GRPC(p) __tsan_acquire(static_cast<void*>(p))

@@ -30,7 +30,9 @@ class ScriptedEngine : public EngineApi {
     std::lock_guard<std::mutex> l(mu_);
     last_request = request;
     if (!submit_status.ok()) return submit_status;
-    threads_.emplace_back([this, id, observer] {
+    // The script as it is now: the test may change it for its next request while this one runs.
+    threads_.emplace_back([this, id, observer, deltas = deltas, final_result = final_result,
+                           wait_for_cancel = wait_for_cancel] {
       observer->OnAdmitted(0.5);
       for (const auto& d : deltas) observer->OnText(d);
       if (wait_for_cancel) {
@@ -64,8 +66,21 @@ class ScriptedEngine : public EngineApi {
     std::lock_guard<std::mutex> l(mu_);
     return last_request;
   }
+  // The script for the next requests, set under the lock for the same reason.
+  void SetSubmitStatus(Status s) {
+    std::lock_guard<std::mutex> l(mu_);
+    submit_status = std::move(s);
+  }
+  void SetFinalResult(StatusOr<GenerationResult> r) {
+    std::lock_guard<std::mutex> l(mu_);
+    final_result = std::move(r);
+  }
+  void SetWaitForCancel(bool wait) {
+    std::lock_guard<std::mutex> l(mu_);
+    wait_for_cancel = wait;
+  }
 
-  Status submit_status;
+  Status submit_status;  // the script: guarded by mu_ once requests run
   std::vector<std::string> deltas = {"Hel", "lo", " wor", "ld"};
   StatusOr<GenerationResult> final_result = [] {
     GenerationResult r;
@@ -256,15 +271,15 @@ TEST_F(FakeEngineServiceTest, ElasticOptionsApplyOverTheVariant) {
 }
 
 TEST_F(FakeEngineServiceTest, EngineStatusesMapToGrpcCodes) {
-  engine_.submit_status = ResourceExhausted("the request queue is full");
+  engine_.SetSubmitStatus(ResourceExhausted("the request queue is full"));
   grpc::ClientContext c1;
   v1::ChatResponse resp;
   grpc::Status s = stub_->Chat(&c1, Request(), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(s.error_message(), "the request queue is full");
 
-  engine_.submit_status = Status::Ok();
-  engine_.final_result = Internal("model failure: out of memory");
+  engine_.SetSubmitStatus(Status::Ok());
+  engine_.SetFinalResult(Internal("model failure: out of memory"));
   grpc::ClientContext c2;
   auto reader = stub_->ChatStream(&c2, Request());
   v1::ChatChunk c;
@@ -276,7 +291,7 @@ TEST_F(FakeEngineServiceTest, EngineStatusesMapToGrpcCodes) {
 }
 
 TEST_F(FakeEngineServiceTest, ClientCancellationReachesTheEngine) {
-  engine_.wait_for_cancel = true;
+  engine_.SetWaitForCancel(true);
   grpc::ClientContext ctx;
   auto reader = stub_->ChatStream(&ctx, Request());
   v1::ChatChunk c;
@@ -292,7 +307,7 @@ TEST_F(FakeEngineServiceTest, ClientCancellationReachesTheEngine) {
 TEST_F(FakeEngineServiceTest, AnExpiredDeadlineCountsAsDeadlineExceeded) {
   // gRPC cancels the call at its deadline, and the engine ends it as "cancelled": the outcome
   // is still DEADLINE_EXCEEDED, to the client and in the metrics.
-  engine_.wait_for_cancel = true;
+  engine_.SetWaitForCancel(true);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + 300ms);
   v1::ChatResponse resp;
