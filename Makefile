@@ -114,21 +114,25 @@ test-sanitize: build
 	cd $(BUILD)-asan && UBSAN_OPTIONS=halt_on_error=1 ctest -R fuzz_replay --output-on-failure
 	UBSAN_OPTIONS=halt_on_error=1 ./$(BUILD)-asan/server_fake_tests
 
-# The server layer against a scripted engine (gRPC reactors, cancellation, the HTTP front,
-# auth, TLS) and the torch-free core (scheduler, request gate) under ThreadSanitizer, built with
-# clang. gRPC and abseil are Debian's, not built with TSan: gRPC's inline header code is left
-# uninstrumented like the rest of it (tests/tsan-ignorelist.txt), our hand-overs to gRPC are
-# marked (server/tsan.h), and tests/tsan.supp names the few gRPC internals whose std::function
-# and std::string members TSan still sees. Any other report fails the run.
+# Under ThreadSanitizer, built with clang: the server layer against a scripted engine (gRPC
+# reactors, cancellation, the HTTP front, auth, TLS), the torch-free core (scheduler, request
+# gate) and the engine loop with the tiny model (EngineTest, EngineLoopTest: submit, cancel,
+# deadlines, budget, shutdown). gRPC, abseil and libtorch are Debian's or PyTorch's builds, not
+# built with TSan: gRPC's inline header code is left uninstrumented like the rest of it
+# (tests/tsan-ignorelist.txt), our hand-overs to gRPC are marked (server/tsan.h), and
+# tests/tsan.supp names the few gRPC internals whose std:: members TSan still sees. The engine
+# runs with one OpenMP thread: libgomp's fork/join is invisible to TSan. Any other report fails.
 TSAN_RUN := TSAN_OPTIONS="halt_on_error=1 ignore_noninstrumented_modules=1 second_deadlock_stack=1 suppressions=$(abspath tests/tsan.supp)"
 test-tsan: build
 	cd $(BUILD) && ctest -R make_tiny_checkpoints --output-on-failure
 	CC=clang CXX=clang++ cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DLLAVA_SANITIZE=thread -DLLAVA_BUILD_BENCH=OFF \
-	  -DCMAKE_CXX_FLAGS=-fsanitize-ignorelist=$(abspath tests/tsan-ignorelist.txt)
-	cmake --build $(BUILD)-tsan -j$(JOBS) --target core_tests server_fake_tests
+	  -DLLAVA_BUILD_BENCH=OFF -DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread \
+	  "-DCMAKE_CXX_FLAGS=-fsanitize=thread -fsanitize-ignorelist=$(abspath tests/tsan-ignorelist.txt)"
+	cmake --build $(BUILD)-tsan -j$(JOBS) --target core_tests server_fake_tests engine_tests
 	LLAVA_TEST_DATA=$(abspath $(BUILD))/test-data $(TSAN_RUN) ./$(BUILD)-tsan/core_tests
 	$(TSAN_RUN) ./$(BUILD)-tsan/server_fake_tests
+	OMP_NUM_THREADS=1 LLAVA_TEST_DATA=$(abspath $(BUILD))/test-data $(TSAN_RUN) \
+	  ./$(BUILD)-tsan/engine_tests --gtest_filter='EngineTest.*:EngineLoopTest.*'
 
 # The parsers under libFuzzer (clang, ASan+UBSan): tests/fuzz. FUZZ_SECONDS per target from the
 # committed corpora (CI: 20 s each); RUNS=1000000 make fuzz for the runs tests/fuzz/README.md records.

@@ -15,7 +15,10 @@ namespace testing {
 
 class Collector : public RequestObserver {
  public:
-  void OnAdmitted(double) override { admitted_ = true; }
+  void OnAdmitted(double) override {
+    std::lock_guard<std::mutex> l(mu_);
+    admitted_ = true;
+  }
   void OnText(const std::string& delta) override {
     std::lock_guard<std::mutex> l(mu_);
     text_ += delta;
@@ -35,6 +38,12 @@ class Collector : public RequestObserver {
   int deltas() {
     std::lock_guard<std::mutex> l(mu_);
     return deltas_;
+  }
+  // For a test that polls while the engine runs (the engine thread writes it under mu_;
+  // ThreadSanitizer found the polls reading it unlocked). After Wait() the fields can be read.
+  int finished() {
+    std::lock_guard<std::mutex> l(mu_);
+    return finished_;
   }
   std::mutex mu_;
   std::condition_variable cv_;

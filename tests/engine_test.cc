@@ -130,9 +130,9 @@ TEST_F(EngineTest, CancelFreesTheCache) {
   GenerationRequest r = Request("describe", 400, true);
   ASSERT_TRUE(engine.Submit(1, r, c).ok());
   // Wait until the request is running and its cache shows in the snapshot.
-  while (engine.Snapshot().kv_bytes_used == 0 && c->finished_ == 0)
+  while (engine.Snapshot().kv_bytes_used == 0 && c->finished() == 0)
     std::this_thread::sleep_for(1ms);
-  ASSERT_EQ(c->finished_, 0) << "400 tokens take longer than this";
+  ASSERT_EQ(c->finished(), 0) << "400 tokens take longer than this";
   engine.Cancel(1);
   ASSERT_TRUE(c->Wait());
   ASSERT_TRUE(c->result_.has_value());
@@ -149,7 +149,7 @@ TEST_F(EngineTest, QueueBoundAndBudgetRefusals) {
   Engine engine(*loaded_, o);
   auto a = std::make_shared<Collector>(), b = std::make_shared<Collector>();
   ASSERT_TRUE(engine.Submit(1, Request("long", 300, false), a).ok());
-  while (engine.Snapshot().running == 0 && a->finished_ == 0) std::this_thread::sleep_for(1ms);
+  while (engine.Snapshot().running == 0 && a->finished() == 0) std::this_thread::sleep_for(1ms);
   ASSERT_TRUE(engine.Submit(2, Request("next", 4, false), b).ok());  // waits
   Status full = engine.Submit(3, Request("third", 4, false), std::make_shared<Collector>());
   EXPECT_EQ(full.code(), StatusCode::kResourceExhausted) << full.ToString();
@@ -182,7 +182,7 @@ TEST_F(EngineTest, BudgetLimitsConcurrency) {
   }
   int max_running = 0;
   for (auto& c : out) {
-    while (c->finished_ == 0) {
+    while (c->finished() == 0) {
       max_running = std::max(max_running, engine.Snapshot().running);
       std::this_thread::sleep_for(1ms);
     }
