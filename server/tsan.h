@@ -1,7 +1,7 @@
 // ThreadSanitizer and gRPC built without it: a reactor's call into gRPC (StartWrite, Finish)
 // happens before gRPC's call back into it (OnWriteDone, OnDone) on another thread, but that
 // order is kept by gRPC's library, whose synchronisation TSan cannot see. These two marks tell
-// it; they compile to nothing outside a TSan build (-DLLAVA_SANITIZE=thread).
+// it; they compile to nothing outside a TSan build (`make test-tsan`: clang, -fsanitize=thread).
 #pragma once
 
 #if defined(__SANITIZE_THREAD__)  // gcc
