@@ -157,6 +157,24 @@ TEST(PanelLinear, MatchesFp32Reference) {
   }
 }
 
+// Rows longer than kLinearChunkColumns are multiplied a chunk of columns at a time, the chunks'
+// products summed: every chunk, the uneven last one included, must count once.
+TEST(PanelLinear, LongRowsAddEveryChunk) {
+  InitTorchThreads(2);
+  at::manual_seed(5);
+  for (int64_t k : {kLinearChunkColumns + 1, 2 * kLinearChunkColumns + 40}) {
+    for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+      at::Tensor x = at::randn({9, k}).to(dtype);
+      at::Tensor w = (at::randn({37, k}) * 0.05).to(dtype);
+      at::Tensor b = at::randn({37}).to(dtype);
+      at::Tensor y = PanelLinear(x, w, b);
+      at::Tensor ref = at::linear(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat));
+      const double tol = dtype == at::kFloat ? 1e-3 : ref.abs().max().item<double>() / 128;
+      EXPECT_LT((y.to(at::kFloat) - ref).abs().max().item<double>(), tol) << "k=" << k;
+    }
+  }
+}
+
 TEST(Bf16Gemv, LinearDispatchesEveryRowCount) {
   InitTorchThreads(2);
   at::manual_seed(1);
