@@ -293,6 +293,155 @@ void Bf16GemvAvx2(const uint16_t* x, const uint16_t* w, const uint16_t* bias, ui
   ForRows(m, [&](auto rows) { SkinnyAvx2<rows.value>(xf, w, bias, y, n, k); });
 }
 
+// ---- AVX2 + FMA: the prefill product, weights widened while they are packed ----
+
+constexpr int kGemmRows = 6;         // rows of x per micro-tile (broadcast)
+constexpr int kGemmCols = 16;        // weight rows (outputs) per micro-tile: two vectors
+constexpr int64_t kGemmDepth = 256;  // columns of a packed block
+constexpr int64_t kGemmPanel = 96;   // weight rows a thread packs at a time (6 micro-tiles)
+
+// 8 weights as 8 fp32 lanes (Load8) for rows [0, 8) of an 8 x 8 block, transposed so that
+// lane j of out[t] is row j, column t.
+__attribute__((target("avx2,fma"))) inline void Transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Packs weight rows [j0, j0 + rows) (rows <= kGemmCols), columns [k0, k0 + depth), as fp32 in
+// dst [depth][kGemmCols]: column kk's 16 weights one after the other, rows past `rows` zero.
+template <typename T>
+__attribute__((target("avx2,fma"))) void PackWeights(const T* w, int64_t k, int64_t j0, int rows,
+                                                     int64_t k0, int64_t depth, float* dst) {
+  const int64_t depth8 = depth - depth % 8;
+  for (int half = 0; half < 2; ++half) {
+    const int base = 8 * half, live = std::clamp(rows - base, 0, 8);
+    if (live == 8) {
+      for (int64_t kk = 0; kk < depth8; kk += 8) {
+        __m256 r[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) r[j] = Load8(w + (j0 + base + j) * k + k0 + kk);
+        Transpose8(r);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) _mm256_storeu_ps(dst + (kk + t) * kGemmCols + base, r[t]);
+      }
+    }
+    for (int64_t kk = live == 8 ? depth8 : 0; kk < depth; ++kk) {
+      for (int j = 0; j < 8; ++j) {
+        dst[kk * kGemmCols + base + j] = j < live ? ToFloat(w[(j0 + base + j) * k + k0 + kk]) : 0.f;
+      }
+    }
+  }
+}
+
+// y[i, j0 + c] (+)= sum over kk < depth of x[i, kk] * packed[kk][c] for R rows of x (x + i * ldx)
+// and the first `cols` of the tile's 16 outputs (y + i * ldy + c): 2R accumulators, each column
+// of x broadcast once for two FMAs.
+template <int R>
+__attribute__((target("avx2,fma"))) void GemmTile(const float* x, int64_t ldx, const float* packed,
+                                                  int64_t depth, float* y, int64_t ldy, int cols,
+                                                  bool accumulate) {
+  __m256 acc[R][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < depth; ++kk) {
+    const __m256 w0 = _mm256_loadu_ps(packed + kk * kGemmCols);
+    const __m256 w1 = _mm256_loadu_ps(packed + kk * kGemmCols + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + kk);
+      acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+    }
+  }
+  // Unrolled like the loops above: an index the compiler cannot resolve would put `acc` on the
+  // stack, and it would store every accumulator on every column.
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
+    float* yi = y + i * ldy;
+    if (cols == kGemmCols) {
+      if (accumulate) {
+        acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_loadu_ps(yi));
+        acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_loadu_ps(yi + 8));
+      }
+      _mm256_storeu_ps(yi, acc[i][0]);
+      _mm256_storeu_ps(yi + 8, acc[i][1]);
+    } else {
+      alignas(32) float out[kGemmCols];
+      _mm256_store_ps(out, acc[i][0]);
+      _mm256_store_ps(out + 8, acc[i][1]);
+      for (int c = 0; c < cols; ++c) yi[c] = accumulate ? yi[c] + out[c] : out[c];
+    }
+  }
+}
+
+// y [m, n] = x [m, k] . w [n, k]^T: each thread takes panels of kGemmPanel weight rows and, a
+// block of kGemmDepth columns at a time, packs them widened to fp32 (96 KiB, kept in L2), then
+// runs every 6 rows of x over them. No buffer of widened weights leaves the cache, and x is
+// read in place (a 6 x 256 block of it is 6 KiB of L1).
+template <typename T>
+void WidenedGemmAvx2(const float* x, const T* w, float* y, int64_t m, int64_t n, int64_t k) {
+  const int64_t panels = (n + kGemmPanel - 1) / kGemmPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> packed;
+    packed.resize(static_cast<size_t>(kGemmPanel * kGemmDepth));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t j0 = p * kGemmPanel, width = std::min(kGemmPanel, n - j0);
+      const int64_t tiles = (width + kGemmCols - 1) / kGemmCols;
+      for (int64_t k0 = 0; k0 < k; k0 += kGemmDepth) {
+        const int64_t depth = std::min(kGemmDepth, k - k0);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, width - t * kGemmCols));
+          PackWeights(w, k, j0 + t * kGemmCols, cols, k0, depth,
+                      packed.data() + t * kGemmDepth * kGemmCols);
+        }
+        for (int64_t i0 = 0; i0 < m; i0 += kGemmRows) {
+          const int64_t rows = std::min<int64_t>(kGemmRows, m - i0);
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, width - t * kGemmCols));
+            const float* pt = packed.data() + t * kGemmDepth * kGemmCols;
+            float* yt = y + i0 * n + j0 + t * kGemmCols;
+            const float* xt = x + i0 * k + k0;
+            switch (rows) {
+              case 6:
+                GemmTile<6>(xt, k, pt, depth, yt, n, cols, k0 > 0);
+                break;
+              case 5:
+                GemmTile<5>(xt, k, pt, depth, yt, n, cols, k0 > 0);
+                break;
+              case 4:
+                GemmTile<4>(xt, k, pt, depth, yt, n, cols, k0 > 0);
+                break;
+              case 3:
+                GemmTile<3>(xt, k, pt, depth, yt, n, cols, k0 > 0);
+                break;
+              case 2:
+                GemmTile<2>(xt, k, pt, depth, yt, n, cols, k0 > 0);
+                break;
+              default:
+                GemmTile<1>(xt, k, pt, depth, yt, n, cols, k0 > 0);
+                break;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 // ---- Portable: plain loops (baseline x86-64 or any other CPU) ----
 
 // x [m, k] in fp32 (widened), weights, bias and outputs in T.
@@ -322,6 +471,14 @@ void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16
   if (path == CpuPath::kGeneric) return GemvGeneric(WidenToFloat(x, m * k), w, bias, y, m, n, k);
   if (path != CpuPath::kAvx512Bf16) return Bf16GemvAvx2(x, w, bias, y, m, n, k);
   ForRows(m, [&](auto rows) { Skinny<rows.value>(x, w, bias, y, n, k); });
+}
+
+void WidenedGemm(const float* x, const uint16_t* w, float* y, int64_t m, int64_t n, int64_t k) {
+  WidenedGemmAvx2(x, w, y, m, n, k);
+}
+
+void WidenedGemm(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k) {
+  WidenedGemmAvx2(x, w, y, m, n, k);
 }
 
 void F32Gemv(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
