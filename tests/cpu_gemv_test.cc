@@ -175,34 +175,6 @@ TEST(PanelLinear, LongRowsAddEveryChunk) {
   }
 }
 
-// The packed GEMM of the AVX2 paths' prefill at sizes that leave every block partial: rows not
-// a multiple of its 6-row tiles, outputs not a multiple of its 16-output tiles or 96-row
-// panels, columns not a multiple of 8 (the packing's transposes) or of its 256-column blocks
-// (whose products are added: k = 517 has three).
-TEST(WidenedGemm, MatchesFp32ReferenceAtOddSizes) {
-  if (!CpuPathAtLeast(CpuPath::kAvx2)) GTEST_SKIP() << "needs AVX2 + FMA";
-  InitTorchThreads(2);
-  at::manual_seed(6);
-  const int64_t sizes[][3] = {{1, 1, 1}, {5, 17, 7}, {6, 96, 256}, {13, 211, 517}, {40, 100, 8}};
-  for (const auto& size : sizes) {
-    const int64_t m = size[0], n = size[1], k = size[2];
-    const at::Tensor x = at::randn({m, k});
-    const at::Tensor w = at::randn({n, k}).to(at::kBFloat16);
-    const at::Tensor w32 = w.to(at::kFloat);
-    const at::Tensor ref = at::mm(x, w32.t());
-    const double tol = 1e-5 * (1 + ref.abs().max().item<double>());
-    at::Tensor y = at::full({m, n}, 7.f);  // every output must be written, not added to
-    WidenedGemm(x.data_ptr<float>(), static_cast<const uint16_t*>(w.data_ptr()),
-                y.data_ptr<float>(), m, n, k);
-    EXPECT_LT((y - ref).abs().max().item<double>(), tol)
-        << "bf16 m=" << m << " n=" << n << " k=" << k;
-    y.fill_(7.f);
-    WidenedGemm(x.data_ptr<float>(), w32.data_ptr<float>(), y.data_ptr<float>(), m, n, k);
-    EXPECT_LT((y - ref).abs().max().item<double>(), tol)
-        << "fp32 m=" << m << " n=" << n << " k=" << k;
-  }
-}
-
 TEST(Bf16Gemv, LinearDispatchesEveryRowCount) {
   InitTorchThreads(2);
   at::manual_seed(1);

@@ -39,12 +39,4 @@ void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16
 void F32Gemv(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
              int64_t k, CpuPath path = ActiveCpuPath());
 
-// y [m, n] = x [m, k] . w [n, k]^T for any m, in fp32, with bf16 (uint16_t) or fp32 weights
-// that stay as stored: the prefill product of the paths without AVX512-BF16 (PanelLinear).
-// Weights are widened while they are packed into blocks that stay in L2, so no widened copy of
-// them goes through memory. Needs AVX2 + FMA (CpuPathAtLeast(CpuPath::kAvx2)); runs on
-// libtorch's intra-op threads. Row-major contiguous operands.
-void WidenedGemm(const float* x, const uint16_t* w, float* y, int64_t m, int64_t n, int64_t k);
-void WidenedGemm(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k);
-
 }  // namespace llava

@@ -125,24 +125,9 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
 
 at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t n = weight.size(0), k = weight.size(1);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = x.to(at::kFloat);
   at::Tensor y = at::empty({x.size(0), n}, xf.options());
-  const at::ScalarType wtype = weight.scalar_type();
-  if (CpuPathAtLeast(CpuPath::kAvx2) && weight.is_contiguous() &&
-      (wtype == at::kFloat || wtype == at::kBFloat16)) {
-    // Our packed GEMM (cpu_gemv.h): the weights widened in L2-sized blocks as they are packed.
-    float* yp = y.data_ptr<float>();
-    if (wtype == at::kFloat) {
-      WidenedGemm(xf.data_ptr<float>(), weight.data_ptr<float>(), yp, x.size(0), n, k);
-    } else {
-      WidenedGemm(xf.data_ptr<float>(), static_cast<const uint16_t*>(weight.data_ptr()), yp,
-                  x.size(0), n, k);
-    }
-    if (bias.defined()) y.add_(bias.to(at::kFloat));
-    return y.to(x.scalar_type());
-  }
-  // The portable path: OpenBLAS's sgemm on widened panels. Long rows are split into chunks of at
-  // most kLinearChunkColumns columns, each chunk's product
+  // Long rows are split into chunks of at most kLinearChunkColumns columns, each chunk's product
   // added to the panel's outputs: panels then keep ~1,000 weight rows however long the rows are
   // (7B down, k = 11008, ran at half the speed of the other projections in panels of 342 rows).
   const int64_t chunks = (k + kLinearChunkColumns - 1) / kLinearChunkColumns;

@@ -36,16 +36,14 @@ struct Linear {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
-// y = x W^T (+ b) on the CPU in fp32 for any number of rows, bf16 weights kept bf16 in memory:
-// the prefill product of the CPU paths without AVX512-BF16, where ATen's bf16 matmul has no fast
-// path. On AVX2 and up our packed GEMM (WidenedGemm, cpu_gemv.h) widens the weights block by
-// block as it packs them; on the generic path the weights are widened a panel of at most
-// kLinearPanelFloats floats at a time (rows longer than kLinearChunkColumns in chunks) for
-// OpenBLAS's sgemm, which runs on the calling thread (engine/kernels/runtime.h) while the
-// intra-op threads share the panels. x [rows, in], weight [out, in], bias [out] or undefined;
-// bf16 or fp32 -> [rows, out] in x's dtype.
+// y = x W^T (+ b) on the CPU in fp32, split into panels of W's rows that the intra-op threads
+// share (OpenBLAS runs on the calling thread: engine/kernels/runtime.h). bf16 weights stay bf16 in
+// memory and are widened one panel at a time, at most kLinearPanelFloats floats: the prefill
+// product of the CPU paths without AVX512-BF16, where ATen's bf16 matmul has no fast path.
+// x [rows, in], weight [out, in], bias [out] or undefined; bf16 or fp32 -> [rows, out] in x's
+// dtype.
 constexpr int64_t kLinearPanelFloats = int64_t{1} << 22;  // 16 MiB of fp32 weights
-constexpr int64_t kLinearChunkColumns = 4096;             // longer rows are added in chunks
+constexpr int64_t kLinearChunkColumns = 4096;              // longer rows are added in chunks
 at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 struct LayerNorm {
