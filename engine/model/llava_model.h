@@ -43,7 +43,7 @@ struct Linear {
 // x [rows, in], weight [out, in], bias [out] or undefined; bf16 or fp32 -> [rows, out] in x's
 // dtype.
 constexpr int64_t kLinearPanelFloats = int64_t{1} << 22;  // 16 MiB of fp32 weights
-constexpr int64_t kLinearChunkColumns = 4096;              // longer rows are added in chunks
+constexpr int64_t kLinearChunkColumns = 4096;             // longer rows are added in chunks
 at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 struct LayerNorm {
