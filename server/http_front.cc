@@ -225,7 +225,7 @@ void HttpFront::Wake() {
   }
 }
 
-void HttpFront::Stop() {
+void HttpFront::Stop(std::chrono::milliseconds grace) {
   if (!poller_.joinable()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -233,8 +233,14 @@ void HttpFront::Stop() {
   }
   Wake();
   poller_.join();  // closes the listener and the idle connections
-  http_->MarkServing(-1);
   ready_cv_.notify_all();
+  {
+    // httplib ends a chunked response once the listening socket looks closed, before its
+    // terminating chunk: running streams get `grace` to finish first.
+    std::unique_lock<std::mutex> lock(mu_);
+    idle_cv_.wait_for(lock, grace, [this] { return busy_ == 0 && ready_.empty(); });
+  }
+  http_->MarkServing(-1);
   for (std::thread& t : workers_) t.join();
   workers_.clear();
   returned_.clear();
@@ -399,8 +405,14 @@ void HttpFront::WorkerLoop() {
       if (ready_.empty()) return;  // stopping, and every complete request was served
       c = std::move(ready_.front());
       ready_.pop_front();
+      ++busy_;
     }
     Serve(std::move(c));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --busy_;
+    }
+    idle_cv_.notify_all();
   }
 }
 

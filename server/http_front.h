@@ -22,6 +22,7 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -71,8 +72,11 @@ class HttpFront {
   // Binds "host:port" (port 0 = ephemeral) and starts serving; the bound port, or -1.
   int Start(const std::string& address);
   // Stops accepting, closes idle connections, lets the workers finish the requests that have a
-  // complete head (answered with "Connection: close"), and joins every thread.
-  void Stop();
+  // complete head (answered with "Connection: close"), and joins every thread. A streamed
+  // response runs to its end for up to `grace`; after that it ends at its next chunk, without
+  // the terminating chunk (a client sees the stream cut short). The server drains its engine
+  // before it stops the front, so a grace of a few seconds only has to flush what was produced.
+  void Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(0));
 
   // On a worker thread, the socket of the request being served (for a handler that watches its
   // client for a hang-up); -1 on any other thread.
@@ -103,10 +107,12 @@ class HttpFront {
 
   std::mutex mu_;
   std::condition_variable ready_cv_;
+  std::condition_variable idle_cv_;                    // a worker finished a connection
   std::deque<std::unique_ptr<Connection>> ready_;      // guarded by mu_: heads complete
   std::vector<std::unique_ptr<Connection>> returned_;  // guarded by mu_: kept alive, to poll
   std::atomic<int> open_{0};                           // connections open
   bool stopping_ = false;                              // guarded by mu_
+  int busy_ = 0;                                       // guarded by mu_: workers serving
 };
 
 }  // namespace llava::server

@@ -355,7 +355,9 @@ int main(int argc, char** argv) {
   std::thread drain([&] { engine.Shutdown(grace); });
   server->Shutdown(std::chrono::system_clock::now() + grace + std::chrono::seconds(2));
   drain.join();
-  if (openai) openai->Stop();
+  // The engine has finished or cancelled every request; the HTTP streams still have to write
+  // what it produced last (their final chunk and [DONE]).
+  if (openai) openai->Stop(std::chrono::seconds(5));
   spdlog::info("stopped");
   return 0;
 }

@@ -282,8 +282,8 @@ int OpenAiServer::Start(const std::string& address) {
   return front_->Start(address);
 }
 
-void OpenAiServer::Stop() {
-  if (front_) front_->Stop();
+void OpenAiServer::Stop(std::chrono::milliseconds grace) {
+  if (front_) front_->Stop(grace);
 }
 
 OpenAiServer::~OpenAiServer() {

@@ -13,6 +13,7 @@
 // Thread safety: Start and Stop from one thread; handlers run on the pool's threads.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -42,8 +43,9 @@ class OpenAiServer {
   ~OpenAiServer();  // Stop()
   // Binds "host:port" (port 0 = ephemeral) and starts serving; returns the bound port or -1.
   int Start(const std::string& address);
-  // Stops accepting and joins the listener; open streams end with their connections.
-  void Stop();
+  // Stops accepting and joins the listener; running responses get `grace` to finish (streams
+  // still open after it are cut short; HttpFront::Stop).
+  void Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(0));
   // With TLS: re-reads the certificate and key now (SIGHUP); true if a new pair is served.
   bool ReloadTls();
 

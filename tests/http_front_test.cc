@@ -86,6 +86,23 @@ class HttpFrontTest : public ::testing::Test {
         return sink.write(part.data(), part.size());
       });
     });
+    // Writes "first;" at once, "last;" once `release_` is set, then ends: a stream whose producer
+    // is still writing when the front is told to stop.
+    routes_.Get("/held", [this](const httplib::Request&, httplib::Response& res) {
+      auto step = std::make_shared<int>(0);
+      res.set_chunked_content_provider("text/plain", [this, step](size_t, httplib::DataSink& sink) {
+        switch ((*step)++) {
+          case 0:
+            return sink.write("first;", 6);
+          case 1:
+            while (!release_) std::this_thread::sleep_for(5ms);
+            return sink.write("last;", 5);
+          default:
+            sink.done();
+            return true;
+        }
+      });
+    });
     HttpFront::Events events;
     events.connections = [this](int open) { open_ = open; };
     events.closed = [this](const char* reason) {
@@ -118,7 +135,8 @@ class HttpFrontTest : public ::testing::Test {
   HttpRoutes routes_;
   std::unique_ptr<HttpFront> front_;
   int port_ = -1;
-  std::atomic<int> open_{-1};  // the front's last report
+  std::atomic<int> open_{-1};         // the front's last report
+  std::atomic<bool> release_{false};  // lets /held finish
   std::mutex mu_;
   std::map<std::string, int> closed_;  // guarded by mu_
 };
@@ -230,6 +248,24 @@ TEST_F(HttpFrontTest, AnOversizedHeadIsRefused) {
   EXPECT_NE(reply.find("431"), std::string::npos) << reply;
   EXPECT_EQ(Closed("head_too_large"), 1);
   EXPECT_LT(PingTime(), 2000ms);
+}
+
+// The server drains its engine, then stops the front: a stream whose last chunks are still being
+// written must reach the client whole (its terminating chunk included), not be cut short.
+TEST_F(HttpFrontTest, StopLetsARunningStreamFinishWithinTheGrace) {
+  StartWith(HttpFront::Limits());
+  const int fd = Connect(port_);
+  Send(fd, "GET /held HTTP/1.1\r\nHost: x\r\n\r\n");
+  std::string reply = ReadAll(fd, 5000ms, "first;");
+  ASSERT_NE(reply.find("first;"), std::string::npos) << reply;
+  std::thread stopper([this] { front_->Stop(5000ms); });
+  std::this_thread::sleep_for(200ms);  // Stop is waiting for the stream
+  release_ = true;
+  reply += ReadAll(fd, 5000ms);
+  stopper.join();
+  ::close(fd);
+  EXPECT_NE(reply.find("last;"), std::string::npos) << reply;
+  EXPECT_NE(reply.find("\r\n0\r\n\r\n"), std::string::npos) << "no terminating chunk: " << reply;
 }
 
 }  // namespace

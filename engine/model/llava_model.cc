@@ -324,12 +324,14 @@ struct LlavaModel::Slot {
 
 std::vector<LlavaModel::Slot> LlavaModel::Slots() {
   std::vector<Slot> out;
-  auto tensor = [&out](std::string name, at::Tensor* t) { out.push_back({std::move(name), t}); };
+  auto tensor = [&out](std::string name, at::Tensor* t) {
+    out.push_back({std::move(name), t, nullptr, nullptr, {}});
+  };
   auto linear = [&out](std::string name, Linear* l, std::vector<std::string> parts = {}) {
     out.push_back({std::move(name), nullptr, l, nullptr, std::move(parts)});
   };
   auto norm = [&out](std::string name, LayerNorm* n) {
-    out.push_back({std::move(name), nullptr, nullptr, n});
+    out.push_back({std::move(name), nullptr, nullptr, n, {}});
   };
   tensor("vision.embeddings.patch_embedding.weight", &patch_embedding_);
   tensor("vision.embeddings.class_embedding", &class_embedding_);
