@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <tuple>
+#include <vector>
 
 #include "engine/kernels/cpu_features.h"
 #include "engine/kernels/cpu_ops.h"
@@ -171,6 +173,31 @@ TEST(PanelLinear, LongRowsAddEveryChunk) {
       at::Tensor ref = at::linear(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat));
       const double tol = dtype == at::kFloat ? 1e-3 : ref.abs().max().item<double>() / 128;
       EXPECT_LT((y.to(at::kFloat) - ref).abs().max().item<double>(), tol) << "k=" << k;
+    }
+  }
+}
+
+// Each thread keeps its widened panel and its panel of outputs between calls: a call after a
+// larger or smaller one must not see the other's values, and a result must not share memory
+// with those buffers (the next call would overwrite it).
+TEST(PanelLinear, BuffersKeptBetweenCallsLeaveNoTrace) {
+  InitTorchThreads(2);
+  at::manual_seed(6);
+  for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    std::vector<at::Tensor> ys, refs;
+    for (auto [rows, n, k] : {std::tuple<int64_t, int64_t, int64_t>{33, 300, 200},
+                              {5, 40, 24},
+                              {17, 301, 199},
+                              {33, 300, 200}}) {
+      at::Tensor x = at::randn({rows, k}).to(dtype);
+      at::Tensor w = (at::randn({n, k}) * 0.1).to(dtype);
+      at::Tensor b = at::randn({n}).to(dtype);
+      ys.push_back(PanelLinear(x, w, b));
+      refs.push_back(at::linear(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat)));
+    }
+    for (size_t i = 0; i < ys.size(); ++i) {  // after every call
+      const double tol = dtype == at::kFloat ? 1e-4 : refs[i].abs().max().item<double>() / 128;
+      EXPECT_LT((ys[i].to(at::kFloat) - refs[i]).abs().max().item<double>(), tol) << i;
     }
   }
 }

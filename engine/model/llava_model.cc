@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <unordered_map>
 
 #include "engine/io/weight_manifest.h"
@@ -123,10 +124,31 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
   return at::linear(x, weight, bias);
 }
 
+namespace {
+
+// A buffer of the calling thread kept between calls (PanelLinear's widened panels and outputs):
+// a fresh tensor for each of them was ~1 GB of new pages per layer of a 7B prefill, each page
+// faulted in and zeroed by the kernel (in-process A/B of the AVX2 prefill: +3-5% without them;
+// docs/BENCHMARKS.md). `slot` tells a thread's buffers apart.
+float* ThreadBuffer(int slot, int64_t floats) {
+  thread_local std::unique_ptr<float[]> buffers[2];
+  thread_local int64_t sizes[2] = {0, 0};
+  if (sizes[slot] < floats) {
+    buffers[slot].reset(new float[static_cast<size_t>(floats)]);
+    sizes[slot] = floats;
+  }
+  return buffers[slot].get();
+}
+
+}  // namespace
+
 at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const at::Tensor xf = x.to(at::kFloat);
-  at::Tensor y = at::empty({x.size(0), n}, xf.options());
+  const int64_t rows = x.size(0), n = weight.size(0), k = weight.size(1);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  // fp32 results are written in place; bf16 ones pass through a panel of fp32 first.
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const at::Tensor b = bias.defined() ? bias.to(at::kFloat) : at::Tensor();
   // Long rows are split into chunks of at most kLinearChunkColumns columns, each chunk's product
   // added to the panel's outputs: panels then keep ~1,000 weight rows however long the rows are
   // (7B down, k = 11008, ran at half the speed of the other projections in panels of 342 rows).
@@ -141,20 +163,25 @@ at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::
   at::parallel_for(0, (n + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * panel, width = std::min(panel, n - n0);
-      at::Tensor out = y.narrow(1, n0, width);
+      at::Tensor out = f32 ? y.narrow(1, n0, width)
+                           : at::from_blob(ThreadBuffer(0, rows * width), {rows, width});
       for (int64_t k0 = 0; k0 < k; k0 += chunk) {
         const int64_t cols = std::min(chunk, k - k0);
-        const at::Tensor w = weight.narrow(0, n0, width).narrow(1, k0, cols).to(at::kFloat);
+        at::Tensor w = weight.narrow(0, n0, width).narrow(1, k0, cols);
+        if (w.scalar_type() != at::kFloat) {
+          w = at::from_blob(ThreadBuffer(1, width * cols), {width, cols}).copy_(w);
+        }
         if (k0 == 0) {
           at::mm_out(out, xf.narrow(1, k0, cols), w.t());
         } else {
           out.addmm_(xf.narrow(1, k0, cols), w.t());
         }
       }
+      if (b.defined()) out.add_(b.narrow(0, n0, width));
+      if (!f32) y.narrow(1, n0, width).copy_(out);
     }
   });
-  if (bias.defined()) y.add_(bias.to(at::kFloat));
-  return y.to(x.scalar_type());
+  return y;
 }
 
 at::Tensor LayerNorm::operator()(const at::Tensor& x) const {

@@ -41,7 +41,8 @@ struct Linear {
 // memory and are widened one panel at a time, at most kLinearPanelFloats floats: the prefill
 // product of the CPU paths without AVX512-BF16, where ATen's bf16 matmul has no fast path.
 // x [rows, in], weight [out, in], bias [out] or undefined; bf16 or fp32 -> [rows, out] in x's
-// dtype.
+// dtype. Each intra-op thread keeps its widened panel (bf16 weights) and its panel of fp32
+// outputs (bf16 rows) between calls: up to kLinearPanelFloats + rows x panel rows floats.
 constexpr int64_t kLinearPanelFloats = int64_t{1} << 22;  // 16 MiB of fp32 weights
 constexpr int64_t kLinearChunkColumns = 4096;             // longer rows are added in chunks
 at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
