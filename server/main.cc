@@ -356,8 +356,10 @@ int main(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() + grace + std::chrono::seconds(2));
   drain.join();
   // The engine has finished or cancelled every request; the HTTP streams still have to write
-  // what it produced last (their final chunk and [DONE]).
-  if (openai) openai->Stop(std::chrono::seconds(5));
+  // what it produced last (their final chunk and [DONE]): milliseconds, unless a client stopped
+  // reading. With the gRPC port's 2 s, the whole stop takes at most the grace + 4 s (deploy/'s
+  // termination grace allows for it).
+  if (openai) openai->Stop(std::chrono::seconds(2));
   spdlog::info("stopped");
   return 0;
 }

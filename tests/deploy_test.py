@@ -145,9 +145,12 @@ def check_overlay(overlay, docs):
     pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
     check(pre_stop[:1] == ["sleep"], "container has no preStop sleep (endpoints update before SIGTERM)")
     pre_stop_s = float(pre_stop[1]) if len(pre_stop) > 1 else 0
-    check(pod["spec"]["terminationGracePeriodSeconds"] >
-          pre_stop_s + float(config["LLAVA_SHUTDOWN_GRACE_SECONDS"]),
-          "terminationGracePeriodSeconds must exceed the preStop sleep + LLAVA_SHUTDOWN_GRACE_SECONDS")
+    # After the drain the server closes its ports in up to 4 s (server/main.cc: gRPC 2 s, then
+    # the HTTP streams' last chunks 2 s).
+    check(pod["spec"]["terminationGracePeriodSeconds"] >=
+          pre_stop_s + float(config["LLAVA_SHUTDOWN_GRACE_SECONDS"]) + 4,
+          "terminationGracePeriodSeconds must cover the preStop sleep + "
+          "LLAVA_SHUTDOWN_GRACE_SECONDS + 4 s to close the ports")
     # Pod Security "restricted" and least privilege.
     check(pod["spec"].get("automountServiceAccountToken") is False,
           "the pod mounts a service-account token it never uses")
