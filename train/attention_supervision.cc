@@ -12,12 +12,13 @@ class SupervisedAttentionCache : public KvCache {
  public:
   SupervisedAttentionCache(std::unique_ptr<KvCache> inner, std::vector<int> layers,
                            std::vector<AttentionTarget> targets, std::vector<at::Tensor>* terms,
-                           AttentionReport* report)
+                           AttentionReport* report, int64_t first_row)
       : inner_(std::move(inner)),
         layers_(std::move(layers)),
         targets_(std::move(targets)),
         terms_(terms),
-        report_(report) {}
+        report_(report),
+        first_row_(first_row) {}
 
   const KvLayout& layout() const override { return inner_->layout(); }
   void Append(int layer, const at::Tensor& k, const at::Tensor& v) override {
@@ -34,7 +35,7 @@ class SupervisedAttentionCache : public KvCache {
   }
   // probs [heads, rows, len]: the query blocks of the one forward pass arrive in row order.
   void ObserveAttention(int layer, const at::Tensor& probs) override {
-    int64_t& first = rows_seen_[layer];
+    int64_t& first = rows_seen_.try_emplace(layer, first_row_).first->second;
     const int64_t rows = probs.size(1);
     for (const AttentionTarget& t : targets_) {
       if (t.row < first || t.row >= first + rows) continue;
@@ -69,7 +70,8 @@ class SupervisedAttentionCache : public KvCache {
   std::vector<AttentionTarget> targets_;
   std::vector<at::Tensor>* terms_;
   AttentionReport* report_;
-  std::map<int, int64_t> rows_seen_;
+  const int64_t first_row_;
+  std::map<int, int64_t> rows_seen_;  // per layer, the sequence's next row to be observed
 };
 
 }  // namespace
@@ -78,9 +80,9 @@ std::unique_ptr<KvCache> NewSupervisedAttentionCache(std::unique_ptr<KvCache> in
                                                      std::vector<int> layers,
                                                      std::vector<AttentionTarget> targets,
                                                      std::vector<at::Tensor>* terms,
-                                                     AttentionReport* report) {
+                                                     AttentionReport* report, int64_t first_row) {
   return std::make_unique<SupervisedAttentionCache>(std::move(inner), std::move(layers),
-                                                    std::move(targets), terms, report);
+                                                    std::move(targets), terms, report, first_row);
 }
 
 void PrintAttentionReport(const AttentionReport& report) {

@@ -33,11 +33,11 @@ using AttentionReport = std::map<std::pair<int, std::string>, std::pair<std::vec
 // parts of -log(mass + 1e-6), mass being the probability head 0 puts on the part's entries from
 // the target's row (a cross-entropy against equal shares). With `report`, it also adds every
 // head's mass on all the parts together. `terms` and `report` must outlive the forward pass.
-std::unique_ptr<KvCache> NewSupervisedAttentionCache(std::unique_ptr<KvCache> inner,
-                                                     std::vector<int> layers,
-                                                     std::vector<AttentionTarget> targets,
-                                                     std::vector<at::Tensor>* terms,
-                                                     AttentionReport* report);
+// `first_row`: the sequence's row that the forward pass's first query row is (> 0 when `inner`
+// already holds the sequence's first rows, a prefix shared with other sequences).
+std::unique_ptr<KvCache> NewSupervisedAttentionCache(
+    std::unique_ptr<KvCache> inner, std::vector<int> layers, std::vector<AttentionTarget> targets,
+    std::vector<at::Tensor>* terms, AttentionReport* report, int64_t first_row = 0);
 
 void PrintAttentionReport(const AttentionReport& report);
 

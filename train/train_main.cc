@@ -58,6 +58,7 @@ struct TrainFlags {
   DataMix mix;
   std::string question_weights;
   bool attn_report = false;
+  bool share_prefix = true;
   std::vector<int> attn_layers = {1, 2};
   double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
 };
@@ -153,6 +154,11 @@ void AddFlags(CLI::App& app, TrainFlags& f) {
                  "print, at the end, every head's attention mass on the named objects in "
                  "--attn-layers per question kind (with --lr 0: a probe of any checkpoint)")
       ->capture_default_str();
+  app.add_option("--share-prefix", f.share_prefix,
+                 "conversations of a shard that begin alike (the paper layout's system prompt) "
+                 "run those rows once and start their caches from them (exact; ~1.2x faster "
+                 "steps with --paper-layout 0.5)")
+      ->capture_default_str();
   app.add_option("--init", f.init_dir,
                  "continue from this checkpoint of llava-train (its config, weights and "
                  "tokenizer) instead of random weights");
@@ -242,6 +248,7 @@ struct StepLosses {
 };
 struct StepTimes {
   double data = 0, forward = 0, backward = 0, update = 0;  // seconds, summed over the steps
+  int64_t tokens = 0, rows_saved = 0;  // positions, and those run once for several (shared)
 };
 
 // One optimizer step on `f.batch` fresh conversations: the language-model loss on the answers
@@ -266,12 +273,15 @@ StepLosses TrainStep(llava::LlavaModel& model, const llava::Tokenizer& tok,
   o.attn_layers = f.attn_layers;
   o.count_layer = f.count_layer;
   o.attn_report = f.attn_report;
+  o.share_prefix = f.share_prefix;
   std::vector<at::Tensor> all = params.decay;
   all.insert(all.end(), params.no_decay.begin(), params.no_decay.end());
   const llava::train::BatchLosses b = llava::train::BatchGradients(
       model, config, examples, probes, o, all, f.shards, f.threads, report);
   times->forward += b.forward_s;
   times->backward += b.backward_s;
+  times->tokens += b.tokens;
+  times->rows_saved += b.rows_saved;
 
   tick = std::chrono::steady_clock::now();
   torch::nn::utils::clip_grad_norm_(params.decay, 1.0);
@@ -404,9 +414,12 @@ int main(int argc, char** argv) {
           f.count_weight > 0 ? ("  counts " + std::to_string(ema_count)).c_str() : "");
       if (step % 100 == 0 || step + 1 == f.steps) {
         std::printf(
-            "  time per step: data %.3f s, forward %.3f s, backward %.3f s, update %.3f s\n",
+            "  time per step: data %.3f s, forward %.3f s, backward %.3f s, update %.3f s; "
+            "%.1f%% of the positions shared, not run\n",
             times.data / (step + 1), times.forward / (step + 1), times.backward / (step + 1),
-            times.update / (step + 1));
+            times.update / (step + 1),
+            100.0 * static_cast<double>(times.rows_saved) /
+                static_cast<double>(std::max<int64_t>(1, times.tokens)));
       }
       std::fflush(stdout);
     }

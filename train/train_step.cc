@@ -44,9 +44,48 @@ class CpuAutocast {
 struct ShardSums {
   at::Tensor lm, attn, patch, count;  // undefined where the shard has none
   int64_t lm_n = 0, attn_n = 0, patch_n = 0, count_n = 0;
-  int64_t tokens = 0;
+  int64_t tokens = 0, rows_saved = 0;
   AttentionReport report;
 };
+
+// Shorter common prefixes are not worth a pass of their own (every conversation begins with
+// "<s> USER:").
+constexpr int64_t kMinSharedPrefix = 16;
+
+// The rows that the shard's conversations with the most text before their image have in
+// common, and which conversations those are (`shares`): 0 when fewer than two of them agree on
+// kMinSharedPrefix rows. The prefix ends before any image row and any labelled row.
+int64_t SharedPrefix(const std::vector<const Example*>& shard, std::vector<bool>* shares) {
+  shares->assign(shard.size(), false);
+  const Example* first = nullptr;
+  int64_t prefix = 0;
+  int count = 0;
+  for (size_t b = 0; b < shard.size(); ++b) {
+    const Example& e = *shard[b];
+    int64_t limit = e.image_offsets.empty() ? static_cast<int64_t>(e.ids.size())
+                                            : static_cast<int64_t>(e.image_offsets[0]);
+    for (int64_t t = 0; t < limit; ++t) {
+      if (e.labels[t] != kIgnoreLabel) limit = t;
+    }
+    if (limit < kMinSharedPrefix) continue;
+    if (first == nullptr) {
+      first = &e;
+      prefix = limit;
+    } else {
+      int64_t common = 0;
+      while (common < std::min(prefix, limit) && e.ids[common] == first->ids[common]) ++common;
+      if (common < kMinSharedPrefix) continue;
+      prefix = common;
+    }
+    (*shares)[b] = true;
+    ++count;
+  }
+  if (count < 2) {
+    shares->assign(shard.size(), false);
+    return 0;
+  }
+  return prefix;
+}
 
 ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
                        const std::vector<const Example*>& shard, const Probes& probes,
@@ -60,10 +99,9 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
     patch_labels[1].insert(patch_labels[1].end(), e->patch_colour.begin(), e->patch_colour.end());
     patch_labels[2].insert(patch_labels[2].end(), e->patch_size.begin(), e->patch_size.end());
     pixels.insert(pixels.end(), e->pixels.begin(), e->pixels.end());
-    labels.insert(labels.end(), e->labels.begin(), e->labels.end());
+    for (int l : e->labels) sums.lm_n += l != kIgnoreLabel;
+    sums.tokens += static_cast<int64_t>(e->labels.size());  // shared rows included
   }
-  for (int64_t l : labels) sums.lm_n += l != kIgnoreLabel;
-  sums.tokens = static_cast<int64_t>(labels.size());
 
   CpuAutocast autocast(o.bf16);
   const int64_t s = config.vision.image_size;
@@ -71,6 +109,21 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
   // gradient).
   at::Tensor pv = at::from_blob(pixels.data(), {batch, 3, s, s}, at::kFloat).clone();
   at::Tensor features = model.EncodeImages(pv);  // [B, N, D]
+  std::vector<bool> shares;
+  const int64_t prefix = o.share_prefix ? SharedPrefix(shard, &shares) : 0;
+  if (prefix == 0) shares.assign(shard.size(), false);
+  std::unique_ptr<KvCache> prefix_cache;
+  if (prefix > 0) {
+    // The shared rows' keys and values, one pass (its one logit row is not used).
+    const Example& e = *shard[std::find(shares.begin(), shares.end(), true) - shares.begin()];
+    prefix_cache = model.NewFullCache();
+    std::vector<int64_t> ids(e.ids.begin(), e.ids.begin() + prefix);
+    SequenceChunk c;
+    c.embeds = model.Embed(at::tensor(ids, at::kLong));
+    c.cache = prefix_cache.get();
+    model.Forward({c});
+    sums.rows_saved = prefix * (std::count(shares.begin(), shares.end(), true) - 1);
+  }
   std::vector<std::unique_ptr<KvCache>> caches;
   std::vector<SequenceChunk> chunks;
   std::vector<at::Tensor> attn_terms;          // one per supervised answer and layer
@@ -78,18 +131,28 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
   int64_t shard_row = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const Example& e = *shard[b];
+    const int64_t skip = shares[b] ? prefix : 0;  // rows already in the cache
     caches.push_back(model.NewFullCache());
+    if (skip > 0) {
+      for (int l = 0; l < config.text.num_hidden_layers; ++l) {
+        caches.back()->Append(l, prefix_cache->Keys(l), prefix_cache->Values(l));
+      }
+      caches.back()->OnForwardDone(skip);
+    }
     if (o.attn_weight > 0 || o.attn_report) {
       caches.back() =
           NewSupervisedAttentionCache(std::move(caches.back()), o.attn_layers, e.attn_targets,
-                                      &attn_terms, o.attn_report ? &sums.report : nullptr);
+                                      &attn_terms, o.attn_report ? &sums.report : nullptr, skip);
     }
     SequenceChunk c;
     c.embeds = model.EmbedPrompt(e.ids, e.image_offsets, features.narrow(0, b, 1));
+    if (skip > 0) c.embeds = c.embeds.narrow(0, skip, c.embeds.size(0) - skip);
+    labels.insert(labels.end(), e.labels.begin() + skip, e.labels.end());  // none in the prefix
+    c.start_position = skip;
     c.cache = caches.back().get();
     c.all_logits = true;
     for (int64_t r : e.answer_rows) {
-      count_rows.push_back(shard_row + r);
+      count_rows.push_back(shard_row + r - skip);
       inventory.insert(inventory.end(), e.inventory.begin(), e.inventory.end());
     }
     shard_row += c.embeds.size(0);
@@ -238,6 +301,7 @@ BatchLosses BatchGradients(LlavaModel& model, const LlavaConfig& config,
       loss = loss + options.count_weight * c;
     }
     r.losses.tokens = s.tokens;
+    r.losses.rows_saved = s.rows_saved;
     r.report = std::move(s.report);
     const auto t1 = std::chrono::steady_clock::now();
     r.grads = torch::autograd::grad({loss}, params, /*grad_outputs=*/{},
@@ -256,6 +320,7 @@ BatchLosses BatchGradients(LlavaModel& model, const LlavaConfig& config,
     losses.patch += r.losses.patch;
     losses.count += r.losses.count;
     losses.tokens += r.losses.tokens;
+    losses.rows_saved += r.losses.rows_saved;
     losses.forward_s = std::max(losses.forward_s, r.losses.forward_s);
     losses.backward_s = std::max(losses.backward_s, r.losses.backward_s);
     if (report == nullptr) continue;

@@ -42,12 +42,17 @@ struct LossOptions {
   std::vector<int> attn_layers = {1, 2};
   int count_layer = 2;
   bool attn_report = false;  // fill `report` with every head's mass on the targets
+  // Conversations of a shard that begin with the same rows (the paper layout's system prompt,
+  // ~110 tokens) run those rows once: each one's cache starts with their keys and values, which
+  // is exact (a row's keys and values depend only on the rows before it).
+  bool share_prefix = true;
 };
 
 struct BatchLosses {
   double lm = 0, attn = 0, patch = 0, count = 0;  // the batch's means (0 when off)
   int64_t tokens = 0;                             // positions of the batch
-  double forward_s = 0, backward_s = 0;           // wall time of the two passes
+  int64_t rows_saved = 0;  // rows not run: shared prefixes run once (LossOptions::share_prefix)
+  double forward_s = 0, backward_s = 0;  // wall time of the two passes
 };
 
 // The batch's loss is the mean cross-entropy of its labelled tokens, plus attn_weight x the
