@@ -156,7 +156,7 @@ void AddFlags(CLI::App& app, TrainFlags& f) {
       ->capture_default_str();
   app.add_option("--share-prefix", f.share_prefix,
                  "conversations of a shard that begin alike (the paper layout's system prompt) "
-                 "run those rows once and start their caches from them (exact; ~1.2x faster "
+                 "run those rows once and start their caches from them (exact; ~1.1x faster "
                  "steps with --paper-layout 0.5)")
       ->capture_default_str();
   app.add_option("--init", f.init_dir,
