@@ -65,7 +65,10 @@ int64_t SharedPrefix(const std::vector<const Example*>& shard, std::vector<bool>
     int64_t limit = e.image_offsets.empty() ? static_cast<int64_t>(e.ids.size())
                                             : static_cast<int64_t>(e.image_offsets[0]);
     for (int64_t t = 0; t < limit; ++t) {
-      if (e.labels[t] != kIgnoreLabel) limit = t;
+      if (e.labels[t] != kIgnoreLabel) {
+        limit = t;
+        break;
+      }
     }
     if (limit < kMinSharedPrefix) continue;
     if (first == nullptr) {
@@ -109,9 +112,8 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
   // gradient).
   at::Tensor pv = at::from_blob(pixels.data(), {batch, 3, s, s}, at::kFloat).clone();
   at::Tensor features = model.EncodeImages(pv);  // [B, N, D]
-  std::vector<bool> shares;
+  std::vector<bool> shares(shard.size(), false);
   const int64_t prefix = o.share_prefix ? SharedPrefix(shard, &shares) : 0;
-  if (prefix == 0) shares.assign(shard.size(), false);
   std::unique_ptr<KvCache> prefix_cache;
   if (prefix > 0) {
     // The shared rows' keys and values, one pass (its one logit row is not used).

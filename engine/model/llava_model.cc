@@ -128,7 +128,7 @@ namespace {
 
 // A buffer of the calling thread kept between calls (PanelLinear's widened panels and outputs):
 // a fresh tensor for each of them was ~1 GB of new pages per layer of a 7B prefill, each page
-// faulted in and zeroed by the kernel (in-process A/B of the AVX2 prefill: +3-5% without them;
+// faulted in and zeroed by the kernel (in-process A/B of the AVX2 prefill: +2.6% and +5.5%;
 // docs/BENCHMARKS.md). `slot` tells a thread's buffers apart.
 float* ThreadBuffer(int slot, int64_t floats) {
   thread_local std::unique_ptr<float[]> buffers[2];
