@@ -32,6 +32,7 @@
 #include "train/attention_supervision.h"
 #include "train/checkpoint_writer.h"
 #include "train/initial_weights.h"
+#include "train/lr_schedule.h"
 #include "train/shapes_world.h"
 #include "train/train_step.h"
 #include "train/training_data.h"
@@ -61,6 +62,7 @@ struct TrainFlags {
   bool share_prefix = true;
   std::vector<int> attn_layers = {1, 2};
   double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
+  bool decay_by_time = false;
 };
 
 void AddFlags(CLI::App& app, TrainFlags& f) {
@@ -167,12 +169,17 @@ void AddFlags(CLI::App& app, TrainFlags& f) {
       ->capture_default_str();
   app.add_option("--bf16", f.bf16, "bf16 autocast for the forward pass")->capture_default_str();
   app.add_option("--max-minutes", f.minutes, "stop (and save) after this long; 0 = no limit");
+  app.add_option("--decay-by-time", f.decay_by_time,
+                 "with --max-minutes: the cosine ends at the time limit if that comes before "
+                 "--steps (the run uses its minutes on any machine and ends at the floor rate)")
+      ->capture_default_str();
 }
 
 // What CLI11 cannot check; fills the mix's derived fields. An error names the flag.
 std::string CheckFlags(TrainFlags& f) {
   f.mix.patch_labels = f.patch_weight > 0;
   if (f.shards < 0) return "--shards: must be 0 (one per thread) or more";
+  if (f.decay_by_time && f.minutes <= 0) return "--decay-by-time: needs --max-minutes";
   if (f.mix.conversation.min_questions < 1 ||
       f.mix.conversation.max_questions < f.mix.conversation.min_questions) {
     return "--min-questions / --max-questions: need 1 <= min <= max";
@@ -231,15 +238,6 @@ ParamGroups TrainableParameters(llava::LlavaModel& model, const llava::LlavaConf
     g.no_decay.push_back(probes->count_b);
   }
   return g;
-}
-
-// Linear warm-up, then cosine decay to min_lr_ratio of the peak.
-double LearningRate(const TrainFlags& f, int64_t step) {
-  const double warm = std::min(1.0, (step + 1.0) / f.warmup);
-  const double progress =
-      std::min(1.0, std::max(0.0, double(step - f.warmup) / (f.steps - f.warmup)));
-  return f.lr * warm *
-         (f.min_lr_ratio + (1 - f.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
 }
 
 struct StepLosses {
@@ -386,8 +384,18 @@ int main(int argc, char** argv) {
   StepTimes times;
   double ema_loss = 0, ema_attn = 0, ema_patch = 0, ema_count = 0;
   int64_t tokens_done = 0;
+  llava::train::LrSchedule schedule;
+  schedule.peak = f.lr;
+  schedule.floor_ratio = f.min_lr_ratio;
+  schedule.warmup_steps = f.warmup;
+  schedule.steps = f.steps;
+  schedule.budget_s = f.decay_by_time ? f.minutes * 60 : 0;
+  double warm_s = 0;  // when the warm-up ended
   for (int64_t step = 0; step < f.steps; ++step) {
-    const double cur_lr = LearningRate(f, step);
+    const double started =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (step == f.warmup) warm_s = started;
+    const double cur_lr = schedule.Rate(step, started, warm_s);
     for (auto& g : optimizer.param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(g.options()).lr(cur_lr);
     }
