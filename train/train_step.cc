@@ -6,13 +6,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
-#include <exception>
-#include <functional>
+#include <future>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
-#include <thread>
 
 #include "engine/kv/kv_cache.h"
 #include "engine/model/llava_model.h"
@@ -200,103 +196,24 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
   return sums;
 }
 
-// Threads that run the shards of every step, started once and kept (a run of llava-train
-// makes thousands of steps): a fresh thread per shard and step, as std::async made, starts
-// with cold thread-local state every step (tcmalloc's thread cache, libtorch's and oneDNN's
-// per-thread state; docs/TRAINING.md, "the shard threads kept"). Each thread runs with
-// `intra_op` ATen threads of its own.
-class ShardThreads {
- public:
-  ShardThreads(int n, int intra_op) : n_(n), intra_op_(intra_op) {
-    for (int i = 0; i < n; ++i) threads_.emplace_back([this, i] { Loop(i); });
-  }
-  ~ShardThreads() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    start_cv_.notify_all();
-    for (std::thread& t : threads_) t.join();
-  }
-  ShardThreads(const ShardThreads&) = delete;
-  ShardThreads& operator=(const ShardThreads&) = delete;
-
-  int size() const { return n_; }
-  int intra_op() const { return intra_op_; }
-
-  // task(0) .. task(n - 1), one per thread; returns when all have finished, rethrowing the
-  // first shard's error (in shard order) if any failed.
-  void Run(const std::function<void(int)>& task) {
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(n_));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      task_ = &task;
-      errors_ = &errors;
-      pending_ = n_;
-      ++generation_;
-    }
-    start_cv_.notify_all();
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return pending_ == 0; });
-    task_ = nullptr;
-    for (const std::exception_ptr& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
-  }
-
- private:
-  void Loop(int i) {
-    at::set_num_threads(intra_op_);  // this thread's OpenMP team (and oneDNN's) only
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int)>* task;
-      std::vector<std::exception_ptr>* errors;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        task = task_;
-        errors = errors_;
-      }
-      try {
-        (*task)(i);
-      } catch (...) {
-        (*errors)[static_cast<size_t>(i)] = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_all();
-    }
-  }
-
-  const int n_, intra_op_;
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable start_cv_, done_cv_;
-  const std::function<void(int)>* task_ = nullptr;
-  std::vector<std::exception_ptr>* errors_ = nullptr;
-  int pending_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-};
-
-// fn(0) .. fn(n - 1), each on its own kept thread with `intra_op` ATen threads (the calling
-// thread when n == 1); the results in order, after every thread has finished.
+// fn(0) .. fn(n - 1), each on its own thread with `intra_op` ATen threads (the calling thread
+// when n == 1); the results in order, after every thread has finished.
 template <typename Fn>
 auto OnShardThreads(int n, int intra_op, Fn fn) -> std::vector<decltype(fn(0))> {
-  std::vector<decltype(fn(0))> out(static_cast<size_t>(n));
+  std::vector<decltype(fn(0))> out;
   if (n == 1) {
-    out[0] = fn(0);
+    out.push_back(fn(0));
     return out;
   }
-  // One set of threads per process, replaced when a call asks for another shape (tests do;
-  // llava-train never does). BatchGradients is not reentrant, so one caller at a time.
-  static std::unique_ptr<ShardThreads> threads;
-  if (!threads || threads->size() != n || threads->intra_op() != intra_op) {
-    threads.reset();
-    threads = std::make_unique<ShardThreads>(n, intra_op);
+  std::vector<std::future<decltype(fn(0))>> running;
+  for (int i = 0; i < n; ++i) {
+    running.push_back(std::async(std::launch::async, [&fn, i, intra_op] {
+      at::set_num_threads(intra_op);  // this thread's OpenMP team (and oneDNN's) only
+      return fn(i);
+    }));
   }
-  threads->Run([&](int i) { out[static_cast<size_t>(i)] = fn(i); });
+  for (auto& r : running) r.wait();  // every thread done before any error is rethrown
+  for (auto& r : running) out.push_back(r.get());
   return out;
 }
 

@@ -63,7 +63,7 @@ struct BatchLosses {
 // `shards` shards (at most one per example), each on its own thread with max(1, threads /
 // shards) intra-op threads; shards == 1 runs on the calling thread with the intra-op threads it
 // has. `report` (with options.attn_report) gets every shard's masses. The times are the slowest
-// shard's. The shard threads are kept from call to call; one caller at a time.
+// shard's.
 BatchLosses BatchGradients(LlavaModel& model, const LlavaConfig& config,
                            const std::vector<Example>& examples, const Probes& probes,
                            const LossOptions& options, const std::vector<at::Tensor>& params,
