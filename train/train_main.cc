@@ -12,6 +12,7 @@
 // training_data.h, the initial weights initial_weights.h, the attention targets
 // attention_supervision.h; this file keeps the flags, the probes and the loop.
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/profiler.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -63,7 +64,12 @@ struct TrainFlags {
   std::vector<int> attn_layers = {1, 2};
   double lr = 3e-4, min_lr_ratio = 0.1, weight_decay = 0.05, minutes = 0;
   bool decay_by_time = false;
+  std::string trace;  // chrome trace of steps kTraceFirst..kTraceLast (ATen's profiler)
 };
+
+// The steps --trace records: past the first steps' one-time costs (oneDNN primitives, the
+// allocator's first growth), few enough that the file stays small.
+constexpr int64_t kTraceFirst = 10, kTraceLast = 14;
 
 void AddFlags(CLI::App& app, TrainFlags& f) {
   app.add_option("--out", f.out_dir, "output llava-hf folder")->capture_default_str();
@@ -173,12 +179,17 @@ void AddFlags(CLI::App& app, TrainFlags& f) {
                  "with --max-minutes: the cosine ends at the time limit if that comes before "
                  "--steps (the run uses its minutes on any machine and ends at the floor rate)")
       ->capture_default_str();
+  app.add_option("--trace", f.trace,
+                 "write a chrome trace of steps 11-15 (every ATen op, forward and backward) to "
+                 "this file; scripts/trace_summary.py sums it by op. Records the calling thread "
+                 "only: use with --shards 1");
 }
 
 // What CLI11 cannot check; fills the mix's derived fields. An error names the flag.
 std::string CheckFlags(TrainFlags& f) {
   f.mix.patch_labels = f.patch_weight > 0;
   if (f.shards < 0) return "--shards: must be 0 (one per thread) or more";
+  if (!f.trace.empty() && f.shards != 1) return "--trace: needs --shards 1";
   if (f.decay_by_time && f.minutes <= 0) return "--decay-by-time: needs --max-minutes";
   if (f.mix.conversation.min_questions < 1 ||
       f.mix.conversation.max_questions < f.mix.conversation.min_questions) {
@@ -391,7 +402,10 @@ int main(int argc, char** argv) {
   schedule.steps = f.steps;
   schedule.budget_s = f.decay_by_time ? f.minutes * 60 : 0;
   double warm_s = 0;  // when the warm-up ended
+  std::optional<torch::autograd::profiler::RecordProfile> trace;
   for (int64_t step = 0; step < f.steps; ++step) {
+    if (!f.trace.empty() && step == kTraceFirst) trace.emplace(f.trace);
+    if (step == kTraceLast + 1) trace.reset();  // writes the file
     const double started =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (step == f.warmup) warm_s = started;
