@@ -51,13 +51,14 @@ TEST(AttentionSupervision, SameLogitsTermsFromTheSupervisedLayerOnly) {
       {n - 1, {{5, 10}}, "b"},
   };
   for (int64_t c = 0; c <= n - 3; ++c) targets[1].parts[0].push_back(c);
-  std::vector<at::Tensor> terms;
+  std::vector<at::Tensor> blocks;
   AttentionReport report;
   const at::Tensor logits =
-      run(NewSupervisedAttentionCache((*model)->NewFullCache(), {0}, targets, &terms, &report));
+      run(NewSupervisedAttentionCache((*model)->NewFullCache(), {0}, targets, &blocks, &report));
+  const at::Tensor terms = at::cat(blocks);
   EXPECT_LT((logits.detach() - plain).abs().max().item<double>(), 1e-6);
 
-  ASSERT_EQ(terms.size(), 6u);  // one per target in the one supervised layer
+  ASSERT_EQ(terms.numel(), 6);  // one per target in the one supervised layer
   const auto& some = report.at({0, "colour"});
   const auto& all = report.at({0, "all"});
   ASSERT_EQ(some.second, 1);

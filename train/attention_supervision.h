@@ -29,7 +29,9 @@ struct AttentionTarget {
 using AttentionReport = std::map<std::pair<int, std::string>, std::pair<std::vector<double>, int>>;
 
 // A cache that behaves exactly as `inner` (a Full cache of one sequence fed in one forward pass)
-// and, in `layers`, appends to `terms` one differentiable term per target: the mean over its
+// and, in `layers`, appends to `terms` a 1-D tensor per query block that holds targets (one
+// differentiable term per target, in the order of `targets`; at::cat(terms) lists them all): the
+// mean over its
 // parts of -log(mass + 1e-6), mass being the probability head 0 puts on the part's entries from
 // the target's row (a cross-entropy against equal shares). With `report`, it also adds every
 // head's mass on all the parts together. `terms` and `report` must outlive the forward pass.

@@ -128,9 +128,12 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
   }
   std::vector<std::unique_ptr<KvCache>> caches;
   std::vector<SequenceChunk> chunks;
-  std::vector<at::Tensor> attn_terms;          // one per supervised answer and layer
+  std::vector<at::Tensor> attn_terms;          // per layer and query block: its targets' terms
   std::vector<int64_t> count_rows, inventory;  // rows of the shard, their scenes' counts
   int64_t shard_row = 0;
+  // Each conversation's image features (a split: one concatenation in the backward pass, where a
+  // narrow per conversation would add up a zero tensor of the whole batch for each).
+  const std::vector<at::Tensor> images = features.split(1, 0);
   for (int64_t b = 0; b < batch; ++b) {
     const Example& e = *shard[b];
     const int64_t skip = shares[b] ? prefix : 0;  // rows already in the cache
@@ -147,7 +150,7 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
                                       &attn_terms, o.attn_report ? &sums.report : nullptr, skip);
     }
     SequenceChunk c;
-    c.embeds = model.EmbedPrompt(e.ids, e.image_offsets, features.narrow(0, b, 1));
+    c.embeds = model.EmbedPrompt(e.ids, e.image_offsets, images[b]);
     if (skip > 0) c.embeds = c.embeds.narrow(0, skip, c.embeds.size(0) - skip);
     labels.insert(labels.end(), e.labels.begin() + skip, e.labels.end());  // none in the prefix
     c.start_position = skip;
@@ -165,8 +168,9 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
   sums.lm = at::cross_entropy_loss(logits, at::tensor(labels, at::kLong), {}, at::Reduction::Sum,
                                    kIgnoreLabel);
   if (o.attn_weight > 0 && !attn_terms.empty()) {
-    sums.attn = at::stack(attn_terms).sum();
-    sums.attn_n = static_cast<int64_t>(attn_terms.size());
+    const at::Tensor all = at::cat(attn_terms);
+    sums.attn = all.sum();
+    sums.attn_n = all.numel();
   }
   if (o.patch_weight > 0) {
     // [B * N, classes]: each image row's shape, colour and size logits.

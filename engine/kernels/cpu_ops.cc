@@ -155,7 +155,132 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void QuickGeluAv
   }
 }
 
+__attribute__((target("avx512f"))) void SoftmaxBackwardRowsAvx512(const float* p, float* g,
+                                                                  int64_t rows, int64_t len,
+                                                                  float scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = p + r * len;
+    float* gr = g + r * len;
+    __m512 vdot = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = FirstLanes(len - j);
+      vdot =
+          _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, pr + j), _mm512_maskz_loadu_ps(m, gr + j), vdot);
+    }
+    const __m512 dot = _mm512_set1_ps(SumLanes(vdot)), s = _mm512_set1_ps(scale);
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = FirstLanes(len - j);
+      const __m512 pv = _mm512_maskz_loadu_ps(m, pr + j);
+      const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, gr + j), dot);
+      _mm512_mask_storeu_ps(gr + j, m, _mm512_mul_ps(_mm512_mul_ps(pv, d), s));
+    }
+  }
+}
+
+// sigmoid(z) = 1 / (1 + e^-z) for z >= 0 and e^z / (1 + e^z) below: e^-|z| never overflows.
+__attribute__((target("avx512f"))) inline __m512 SigmoidAvx512(__m512 z) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = ExpNonPositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
+  const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, t));
+  return _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), inv, t);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 LoadBf16(
+    __mmask16 m, const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void StoreBf16(__mmask16 m,
+                                                                                      uint16_t* p,
+                                                                                      __m512 v) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void SwiGluAvx512(
+    const uint16_t* gate_up, uint16_t* y, int64_t rows, int64_t f) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* gr = gate_up + r * 2 * f;
+    for (int64_t j = 0; j < f; j += 16) {
+      const __mmask16 m = FirstLanes(f - j);
+      const __m512 g = LoadBf16(m, gr + j), u = LoadBf16(m, gr + f + j);
+      StoreBf16(m, y + r * f + j, _mm512_mul_ps(_mm512_mul_ps(g, SigmoidAvx512(g)), u));
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void SwiGluBackwardAvx512(
+    const uint16_t* gate_up, const uint16_t* dy, uint16_t* d_gate_up, int64_t rows, int64_t f) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* gr = gate_up + r * 2 * f;
+    uint16_t* dr = d_gate_up + r * 2 * f;
+    for (int64_t j = 0; j < f; j += 16) {
+      const __mmask16 m = FirstLanes(f - j);
+      const __m512 g = LoadBf16(m, gr + j), u = LoadBf16(m, gr + f + j);
+      const __m512 d = LoadBf16(m, dy + r * f + j);
+      const __m512 s = SigmoidAvx512(g);
+      // silu'(g) = s (1 + g (1 - s))
+      const __m512 ds = _mm512_mul_ps(s, _mm512_fmadd_ps(g, _mm512_sub_ps(one, s), one));
+      StoreBf16(m, dr + j, _mm512_mul_ps(_mm512_mul_ps(d, u), ds));
+      StoreBf16(m, dr + f + j, _mm512_mul_ps(d, _mm512_mul_ps(g, s)));
+    }
+  }
+}
+
+uint16_t FloatToBf16(float v) {  // round to nearest even (finite inputs)
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float Sigmoid(float z) {
+  const float t = std::exp(-std::fabs(z));
+  return z >= 0 ? 1.f / (1.f + t) : t / (1.f + t);
+}
+
 }  // namespace
+
+void SwiGluBf16(const uint16_t* gate_up, uint16_t* y, int64_t rows, int64_t f) {
+  static const bool avx512 = CpuPathAtLeast(CpuPath::kAvx512Bf16);
+  if (avx512) return SwiGluAvx512(gate_up, y, rows, f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < f; ++j) {
+      const float g = Bf16ToFloat(gate_up[r * 2 * f + j]);
+      const float u = Bf16ToFloat(gate_up[r * 2 * f + f + j]);
+      y[r * f + j] = FloatToBf16(g * Sigmoid(g) * u);
+    }
+  }
+}
+
+void SwiGluBackwardBf16(const uint16_t* gate_up, const uint16_t* dy, uint16_t* d_gate_up,
+                        int64_t rows, int64_t f) {
+  static const bool avx512 = CpuPathAtLeast(CpuPath::kAvx512Bf16);
+  if (avx512) return SwiGluBackwardAvx512(gate_up, dy, d_gate_up, rows, f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < f; ++j) {
+      const float g = Bf16ToFloat(gate_up[r * 2 * f + j]);
+      const float u = Bf16ToFloat(gate_up[r * 2 * f + f + j]);
+      const float d = Bf16ToFloat(dy[r * f + j]);
+      const float s = Sigmoid(g);
+      d_gate_up[r * 2 * f + j] = FloatToBf16(d * u * (s * (1.f + g * (1.f - s))));
+      d_gate_up[r * 2 * f + f + j] = FloatToBf16(d * (g * s));
+    }
+  }
+}
+
+void SoftmaxBackwardRows(const float* p, float* g, int64_t rows, int64_t len, float scale) {
+  static const bool avx512 = CpuPathAtLeast(CpuPath::kAvx512);
+  if (avx512) return SoftmaxBackwardRowsAvx512(p, g, rows, len, scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = p + r * len;
+    float* gr = g + r * len;
+    float dot = 0.f;
+    for (int64_t j = 0; j < len; ++j) dot += pr[j] * gr[j];
+    for (int64_t j = 0; j < len; ++j) gr[j] = scale * pr[j] * (gr[j] - dot);
+  }
+}
 
 void SoftmaxRows(float* p, int64_t rows, int64_t len, CpuPath path) {
   path = ClampCpuPath(path, DetectedCpuPath());

@@ -17,6 +17,15 @@ class LayerBuffer {
  public:
   void Append(const at::Tensor& k, const at::Tensor& v) {
     const int64_t n = k.size(1);
+    if (k.requires_grad() || v.requires_grad()) {
+      // Under autograd (the trainer) the buffer is exactly the entries, concatenated: Keys() is
+      // then that tensor, not a narrow of a larger buffer, whose backward would make a zero
+      // tensor of the whole buffer for every read (and the copy into it another).
+      k_ = len_ == 0 ? k.contiguous() : at::cat({Keys(), k}, 1);
+      v_ = len_ == 0 ? v.contiguous() : at::cat({Values(), v}, 1);
+      len_ += n;
+      return;
+    }
     if (!k_.defined() || len_ + n > k_.size(1))
       Grow(k, std::max<int64_t>(len_ + n, 2 * Capacity()));
     if (!CopyRows(k, k_) || !CopyRows(v, v_)) {
@@ -92,12 +101,17 @@ class LayerBuffer {
     len_ = static_cast<int64_t>(plan.kept.size());
     return true;
   }
-  at::Tensor Keys() const { return k_.defined() ? k_.narrow(1, 0, len_) : at::Tensor(); }
-  at::Tensor Values() const { return v_.defined() ? v_.narrow(1, 0, len_) : at::Tensor(); }
+  at::Tensor Keys() const { return Entries(k_); }
+  at::Tensor Values() const { return Entries(v_); }
   int64_t Length() const { return len_; }
 
  private:
   int64_t Capacity() const { return k_.defined() ? k_.size(1) : 0; }
+  // The first len_ entries of a buffer: the buffer itself when it is full.
+  at::Tensor Entries(const at::Tensor& buffer) const {
+    if (!buffer.defined()) return at::Tensor();
+    return buffer.size(1) == len_ ? buffer : buffer.narrow(1, 0, len_);
+  }
   void Grow(const at::Tensor& like, int64_t capacity) {
     capacity = std::max<int64_t>(capacity, 16);
     at::Tensor k = at::empty({like.size(0), capacity, like.size(2)}, like.options());

@@ -14,6 +14,7 @@
 #include "engine/kernels/cpu_gemv.h"
 #include "engine/kernels/cpu_ops.h"
 #include "engine/kernels/decode_attention.h"
+#include "engine/model/autograd_ops.h"
 #include "engine/model/weights.h"
 
 #ifdef LLAVA_WITH_CUDA
@@ -48,6 +49,16 @@ at::Tensor Gelu(const at::Tensor& x) {
 }
 at::Tensor Silu(const at::Tensor& x) {
   return FastBf16Matmul(x) ? at::silu(x) : at::silu(x.to(at::kFloat)).to(x.scalar_type());
+}
+
+// silu(gate) * up of a fused gate/up projection's output [N, 2F]; one pass forward and one
+// backward in the trainer (autograd_ops.h).
+at::Tensor SwiGlu(const at::Tensor& gate_up, int64_t f) {
+  if (gate_up.requires_grad() && gate_up.is_cpu() && gate_up.scalar_type() == at::kBFloat16 &&
+      gate_up.is_contiguous() && gate_up.dim() == 2) {
+    return TrainSwiGlu(gate_up);
+  }
+  return Silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f);
 }
 
 at::Tensor RotateHalf(const at::Tensor& x) {
@@ -227,6 +238,11 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     }
   }
 #endif
+  if ((x.requires_grad() || weight.requires_grad()) && x.is_cpu() &&
+      x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.is_contiguous() &&
+      weight.is_contiguous()) {
+    return TrainRmsNorm(x, weight, eps);  // the trainer: one pass forward, one backward
+  }
   if (IsPlainCpuBf16(x) && IsPlainCpuBf16(weight) && x.is_contiguous()) {
     // The same arithmetic as below in one pass per row, without the six temporaries.
     const int64_t dim = x.size(-1), rows = x.numel() / dim;
@@ -540,19 +556,25 @@ at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at
   at::Tensor q4 = q.permute({1, 0, 2}).reshape({hkv, g, n, hd});
   at::Tensor keys_t = keys.transpose(1, 2);  // [Hkv, hd, L]
   std::vector<at::Tensor> outs;
+  // (A split rather than a narrow per block: under autograd, one concatenation backward.)
+  const std::vector<at::Tensor> blocks = q4.split(kQueryBlock, 2);
   for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) {
     const int64_t bn = std::min(kQueryBlock, n - i0);
-    at::Tensor qb = q4.narrow(2, i0, bn).reshape({hkv, g * bn, hd});
-    at::Tensor scores = at::matmul(qb, keys_t).mul_(scale).view({hkv, g, bn, len});
+    at::Tensor qb = blocks[i0 / kQueryBlock].reshape({hkv, g * bn, hd});
+    at::Tensor scores = at::matmul(qb, keys_t).view({hkv, g, bn, len});  // not yet scaled
     // Row i0+r sits at cache index len-n+i0+r and may see keys up to there.
-    at::Tensor probs;  // [Hkv, G, bn, L] fp32
-    if (scores.is_cpu() && !scores.requires_grad()) {
+    at::Tensor probs;                                 // [Hkv, G, bn, L] fp32
+    if (scores.is_cpu() && scores.requires_grad()) {  // the trainer: scale, mask and softmax fused
+      probs = TrainCausalSoftmax(scores, scale, len - n + i0 + 1);
+    } else if (scores.is_cpu()) {
+      scores.mul_(scale);
       probs = scores.to(at::kFloat).contiguous();  // masked softmax in place (cpu_ops.h)
       float* pp = probs.data_ptr<float>();
       for (int64_t blk = 0; blk < hkv * g; ++blk) {
         CausalSoftmaxRows(pp + blk * bn * len, bn, len, len - n + i0 + 1);
       }
     } else {
+      scores.mul_(scale);
       if (n > 1) {
         const at::TensorOptions idx = at::TensorOptions(at::kLong).device(scores.device());
         at::Tensor rows = at::arange(i0, i0 + bn, idx).unsqueeze(1) + (len - n);
@@ -616,11 +638,16 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
     if (all) return out;
     for (size_t i = 0; i < b; ++i) attn[decode_rows[i]] = out.narrow(0, static_cast<int64_t>(i), 1);
   }
+  // One split into the chunks' rows rather than a narrow per chunk: the same views, but under
+  // autograd a narrow's backward makes a zero tensor of all N rows for each chunk and adds it
+  // up (5% of a training step at 16 sequences), where a split's backward is one concatenation.
+  std::vector<int64_t> sizes;
+  for (const SequenceChunk& c : chunks) sizes.push_back(c.embeds.size(0));
+  const std::vector<at::Tensor> qs = q.split_with_sizes(sizes), ks = k.split_with_sizes(sizes),
+                                vs = v.split_with_sizes(sizes);
   for (size_t c = 0; c < chunks.size(); ++c) {
     if (attn[c].defined()) continue;
-    const int64_t n = chunks[c].embeds.size(0);
-    attn[c] = Attention(q.narrow(0, offsets[c], n), k.narrow(0, offsets[c], n),
-                        v.narrow(0, offsets[c], n), layer, chunks[c].cache);
+    attn[c] = Attention(qs[c], ks[c], vs[c], layer, chunks[c].cache);
   }
   return attn.size() == 1 ? attn[0] : at::cat(attn, 0);
 }
@@ -661,14 +688,24 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
     const LlamaLayer& l = layers_[li];
     at::Tensor hn = RmsNorm(x, l.input_norm, t.rms_norm_eps);
     at::Tensor qkv = l.qkv(hn);  // [N, (H + 2 Hkv) hd]
-    at::Tensor q = ApplyRotary(qkv.narrow(1, 0, nh * hd).view({total, nh, hd}), rope);
-    at::Tensor k = ApplyRotary(qkv.narrow(1, nh * hd, nkv * hd).view({total, nkv, hd}), rope);
-    at::Tensor v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({total, nkv, hd});
+    at::Tensor q, k, v;
+    if (qkv.requires_grad() && qkv.is_cpu() && qkv.scalar_type() == at::kBFloat16 &&
+        qkv.is_contiguous() && rope.cos.scalar_type() == at::kFloat && rope.cos.is_contiguous() &&
+        rope.sin.is_contiguous()) {  // the trainer: split and rotation in one pass each way
+      const std::vector<at::Tensor> qkv3 = TrainQkvRotary(qkv, rope.cos, rope.sin, nh, nkv);
+      q = qkv3[0];
+      k = qkv3[1];
+      v = qkv3[2];
+    } else {
+      q = ApplyRotary(qkv.narrow(1, 0, nh * hd).view({total, nh, hd}), rope);
+      k = ApplyRotary(qkv.narrow(1, nh * hd, nkv * hd).view({total, nkv, hd}), rope);
+      v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({total, nkv, hd});
+    }
     x = x + l.o(AllAttention(chunks, offsets, decode_rows, q, k, v, li));
     hn = RmsNorm(x, l.post_norm, t.rms_norm_eps);
     at::Tensor gate_up = l.gate_up(hn);  // [N, 2F]
     const int64_t f = t.intermediate_size;
-    x = x + l.down(Silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f));
+    x = x + l.down(SwiGlu(gate_up, f));
     if (layer_outputs != nullptr) layer_outputs->push_back(x);
   }
   for (const SequenceChunk& c : chunks) {
