@@ -78,6 +78,22 @@ TEST(TrainOps, SwiGluMatchesATenForwardAndBackward) {
   }
 }
 
+TEST(TrainOps, QuickGeluMatchesATenForwardAndBackward) {
+  at::manual_seed(8);
+  for (int64_t n : {1, 16, 45, 1000}) {
+    at::Tensor base = (at::randn({n}) * 4).to(at::kBFloat16);
+    at::Tensor w = at::randn({n});
+    at::Tensor a = base.clone().requires_grad_(true);
+    at::Tensor b = base.to(at::kFloat).requires_grad_(true);
+    at::Tensor got = TrainQuickGelu(a);
+    at::Tensor want = b * at::sigmoid(1.702 * b);
+    EXPECT_TRUE(at::allclose(got.to(at::kFloat), want, 1.0 / 128, 1e-3)) << n;
+    (got.to(at::kFloat) * w).sum().backward();
+    (want * w).sum().backward();
+    EXPECT_LT(RelMaxDiff(a.grad(), b.grad()), 1.0 / 64) << n;
+  }
+}
+
 TEST(TrainOps, RmsNormMatchesATenForwardAndBackward) {
   at::manual_seed(6);
   for (int64_t d : {7, 33, 256}) {

@@ -228,6 +228,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void SwiGluBackw
   }
 }
 
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void QuickGeluBackwardAvx512(
+    const uint16_t* x, const uint16_t* dy, uint16_t* dx, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f), k = _mm512_set1_ps(1.702f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = FirstLanes(n - i);
+    const __m512 v = LoadBf16(m, x + i), d = LoadBf16(m, dy + i);
+    const __m512 z = _mm512_mul_ps(k, v);
+    const __m512 s = SigmoidAvx512(z);
+    const __m512 ds = _mm512_fmadd_ps(_mm512_mul_ps(z, s), _mm512_sub_ps(one, s), s);
+    StoreBf16(m, dx + i, _mm512_mul_ps(d, ds));
+  }
+}
+
 uint16_t FloatToBf16(float v) {  // round to nearest even (finite inputs)
   uint32_t u;
   std::memcpy(&u, &v, 4);
@@ -267,6 +280,16 @@ void SwiGluBackwardBf16(const uint16_t* gate_up, const uint16_t* dy, uint16_t* d
       d_gate_up[r * 2 * f + j] = FloatToBf16(d * u * (s * (1.f + g * (1.f - s))));
       d_gate_up[r * 2 * f + f + j] = FloatToBf16(d * (g * s));
     }
+  }
+}
+
+void QuickGeluBackwardBf16(const uint16_t* x, const uint16_t* dy, uint16_t* dx, int64_t n) {
+  static const bool avx512 = CpuPathAtLeast(CpuPath::kAvx512Bf16);
+  if (avx512) return QuickGeluBackwardAvx512(x, dy, dx, n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float z = 1.702f * Bf16ToFloat(x[i]);
+    const float s = Sigmoid(z);
+    dx[i] = FloatToBf16(Bf16ToFloat(dy[i]) * (z * s * (1.f - s) + s));
   }
 }
 

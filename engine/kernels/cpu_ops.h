@@ -32,6 +32,10 @@ void SwiGluBf16(const uint16_t* gate_up, uint16_t* y, int64_t rows, int64_t f);
 void SwiGluBackwardBf16(const uint16_t* gate_up, const uint16_t* dy, uint16_t* d_gate_up,
                         int64_t rows, int64_t f);
 
+// The backward pass of QuickGeluBf16: dx[i] = dy[i] * (s + 1.702 x[i] s (1 - s)), s =
+// sigmoid(1.702 x[i]). bf16 bit patterns; dx may be dy's buffer.
+void QuickGeluBackwardBf16(const uint16_t* x, const uint16_t* dy, uint16_t* dx, int64_t n);
+
 // y[i] = x[i] * sigmoid(1.702 x[i]) (CLIP's "quick_gelu"), bf16 bit patterns in and out,
 // fp32 arithmetic and one rounding. x and y may be the same buffer.
 void QuickGeluBf16(const uint16_t* x, uint16_t* y, int64_t n);

@@ -62,6 +62,23 @@ struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
   }
 };
 
+struct QuickGeluFunction : public torch::autograd::Function<QuickGeluFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
+    at::Tensor y = at::empty_like(x);
+    QuickGeluBf16(Bits(x), Bits(y), x.numel());
+    ctx->save_for_backward({x});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor()};
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    at::Tensor d = grads[0].to(at::kBFloat16, /*non_blocking=*/false, /*copy=*/true).contiguous();
+    QuickGeluBackwardBf16(Bits(x), Bits(d), Bits(d), x.numel());
+    return {d};
+  }
+};
+
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps) {
@@ -188,6 +205,12 @@ struct QkvRotaryFunction : public torch::autograd::Function<QkvRotaryFunction> {
 };
 
 }  // namespace
+
+at::Tensor TrainQuickGelu(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "TrainQuickGelu: needs a contiguous CPU bf16 tensor");
+  return QuickGeluFunction::apply(x);
+}
 
 at::Tensor TrainRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() &&

@@ -21,6 +21,9 @@ at::Tensor TrainCausalSoftmax(const at::Tensor& scores, double scale, int64_t fi
 // projection returns it under autocast) -> [N, F] bf16; differentiable in gate_up.
 at::Tensor TrainSwiGlu(const at::Tensor& gate_up);
 
+// CLIP's quick GELU, x * sigmoid(1.702 x), for a contiguous CPU bf16 x; differentiable.
+at::Tensor TrainQuickGelu(const at::Tensor& x);
+
 // weight * x / sqrt(mean(x^2) + eps) over the last dimension, for fp32 x [N, D] and weight [D]
 // (the residual stream and the norm's master weights under autocast); differentiable in both.
 at::Tensor TrainRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);

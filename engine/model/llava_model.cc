@@ -503,6 +503,8 @@ at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
     if (scores.is_cpu() && !scores.requires_grad()) {
       probs = scores.to(at::kFloat).contiguous();  // softmax rows in place (cpu_ops.h)
       SoftmaxRows(probs.data_ptr<float>(), probs.numel() / s, s);
+    } else if (scores.is_cpu()) {  // the trainer: no mask (every row sees all s columns)
+      probs = TrainCausalSoftmax(scores, 1.0, s);
     } else {
       probs = at::softmax(scores, -1, at::kFloat);
     }
@@ -515,6 +517,9 @@ at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
     if (v.hidden_act == "quick_gelu" && IsPlainCpuBf16(h) && h.is_contiguous()) {
       QuickGeluBf16(reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>()),
                     reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()), h.numel());
+    } else if (v.hidden_act == "quick_gelu" && h.requires_grad() && h.is_cpu() &&
+               h.scalar_type() == at::kBFloat16 && h.is_contiguous()) {
+      h = TrainQuickGelu(h);  // the trainer: one pass forward, one backward
     } else {
       h = v.hidden_act == "quick_gelu" ? h * at::sigmoid(1.702 * h) : Gelu(h);
     }
