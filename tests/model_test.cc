@@ -192,6 +192,23 @@ TEST_F(TinyModelTest, BatchOfTwoEqualsEachAlone) {
   EXPECT_LT(Nmse(step[1], step_b[0]), 1e-10);
 }
 
+TEST_F(TinyModelTest, LogitRowsAreThoseRowsOfAllLogits) {
+  // The trainer asks for the labelled rows only (train/train_step.cc).
+  ASSERT_NE(model_, nullptr);
+  at::Tensor a = RandomIds(9, 4), b = RandomIds(14, 5);
+  auto ca = model_->NewFullCache(), cb = model_->NewFullCache();
+  at::Tensor all = model_->Forward(
+      {{model_->Embed(a), 0, ca.get(), true}, {model_->Embed(b), 0, cb.get(), true}});
+  auto sa = model_->NewFullCache(), sb = model_->NewFullCache();
+  SequenceChunk first{model_->Embed(a), 0, sa.get(), true}, second{model_->Embed(b), 0, sb.get()};
+  first.logit_rows = {0, 3, 8};
+  second.logit_rows = {2, 13};
+  at::Tensor some = model_->Forward({first, second});
+  ASSERT_EQ(some.size(0), 5);
+  const std::vector<int64_t> rows = {0, 3, 8, 9 + 2, 9 + 13};
+  EXPECT_LT(Nmse(some, all.index_select(0, at::tensor(rows, at::kLong))), 1e-10);
+}
+
 TEST_F(TinyModelTest, LayerOutputsAreTheResidualStreamInChunkOrder) {
   // The trainer's count probe reads these rows (train/train_main.cc --count-weight).
   ASSERT_NE(model_, nullptr);

@@ -152,10 +152,16 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
     SequenceChunk c;
     c.embeds = model.EmbedPrompt(e.ids, e.image_offsets, images[b]);
     if (skip > 0) c.embeds = c.embeds.narrow(0, skip, c.embeds.size(0) - skip);
-    labels.insert(labels.end(), e.labels.begin() + skip, e.labels.end());  // none in the prefix
+    // Logits only for the rows the loss reads (the answers' ~1/4 of the rows): the output head,
+    // final norm and cross-entropy skip the image and prompt rows. None is in a shared prefix.
+    for (int64_t r = skip; r < static_cast<int64_t>(e.labels.size()); ++r) {
+      if (e.labels[r] == kIgnoreLabel) continue;
+      c.logit_rows.push_back(r - skip);
+      labels.push_back(e.labels[r]);
+    }
+    if (c.logit_rows.empty()) labels.push_back(kIgnoreLabel);  // the last row's logits, unread
     c.start_position = skip;
     c.cache = caches.back().get();
-    c.all_logits = true;
     for (int64_t r : e.answer_rows) {
       count_rows.push_back(shard_row + r - skip);
       inventory.insert(inventory.end(), e.inventory.begin(), e.inventory.end());

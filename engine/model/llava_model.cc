@@ -669,7 +669,9 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
     embeds.push_back(c.embeds);
     for (int64_t i = 0; i < n; ++i) positions.push_back(c.start_position + i);
     offsets.push_back(total);
-    if (c.all_logits) {
+    if (!c.logit_rows.empty()) {
+      for (int64_t i : c.logit_rows) logit_rows.push_back(total + i);
+    } else if (c.all_logits) {
       for (int64_t i = 0; i < n; ++i) logit_rows.push_back(total + i);
     } else {
       logit_rows.push_back(total + n - 1);

@@ -77,6 +77,9 @@ struct SequenceChunk {
   // More rows of this prompt follow in later passes (chunked prefill): the cache gets
   // OnPromptChunkDone instead of OnForwardDone, so it does not compress yet.
   bool prompt_continues = false;
+  // When not empty: logits for exactly these rows of the chunk (ascending indices into its n
+  // rows), whatever all_logits says. The trainer asks only for the rows its loss reads.
+  std::vector<int64_t> logit_rows{};
 };
 
 class LlavaModel {
@@ -115,9 +118,9 @@ class LlavaModel {
   // attention against each sequence's own cache (caches are ragged): one DecodeAttention call
   // for all one-token chunks on the CPU, CachedAttention per chunk otherwise. Appends each chunk's
   // K/V to its cache and calls cache->OnForwardDone(n). Returns fp32 logits, one row per chunk (or
-  // n rows for chunks with all_logits), in chunk order: [rows, V]. With `layer_outputs` (the
-  // trainer's probes), it also receives the residual stream after every decoder layer, [N, D]
-  // with all chunks' rows in chunk order.
+  // n rows for chunks with all_logits, or its logit_rows), in chunk order: [rows, V]. With
+  // `layer_outputs` (the trainer's probes), it also receives the residual stream after every
+  // decoder layer, [N, D] with all chunks' rows in chunk order.
   at::Tensor Forward(const std::vector<SequenceChunk>& chunks,
                      std::vector<at::Tensor>* layer_outputs = nullptr) const;
 
