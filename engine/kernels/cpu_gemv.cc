@@ -164,14 +164,6 @@ __attribute__((target("avx2,fma"))) inline float Sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The bf16 bit pattern nearest to f (ties to even; finite values).
-inline uint16_t FloatToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // The activations x [count] (bf16) widened to fp32 in a buffer of the calling thread, reused
 // from call to call: a decode step makes this call for every linear layer, and a fresh
 // allocation of up to 8 x 11008 floats each time cost page faults. Valid until the thread's

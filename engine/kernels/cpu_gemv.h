@@ -25,6 +25,14 @@ inline float Bf16ToFloat(uint16_t h) {
   return f;
 }
 
+// The bf16 bit pattern nearest to f (ties to even; finite values).
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
 // y [m, n] = x [m, k] . w [n, k]^T (+ bias [n]); bf16 in and out (uint16_t bit patterns),
 // fp32 accumulation, round-to-nearest-even. Requires 1 <= m <= kGemvMaxRows, k >= 1 and
 // row-major contiguous operands; `bias` may be null. Runs on libtorch's intra-op threads.

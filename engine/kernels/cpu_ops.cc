@@ -241,13 +241,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void QuickGeluBa
   }
 }
 
-uint16_t FloatToBf16(float v) {  // round to nearest even (finite inputs)
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 float Sigmoid(float z) {
   const float t = std::exp(-std::fabs(z));
   return z >= 0 ? 1.f / (1.f + t) : t / (1.f + t);
@@ -330,11 +323,7 @@ void QuickGeluBf16(const uint16_t* x, uint16_t* y, int64_t n) {
   if (avx512) return QuickGeluAvx512(x, y, n);
   for (int64_t i = 0; i < n; ++i) {
     const float v = Bf16ToFloat(x[i]);
-    const float r = v / (1.f + std::exp(-1.702f * v));
-    uint32_t u;
-    std::memcpy(&u, &r, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even (finite inputs)
-    y[i] = static_cast<uint16_t>(u >> 16);
+    y[i] = FloatToBf16(v / (1.f + std::exp(-1.702f * v)));
   }
 }
 

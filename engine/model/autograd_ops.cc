@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "engine/kernels/cpu_ops.h"
+#include "engine/model/llava_model.h"
 
 namespace llava {
 namespace {
@@ -129,22 +130,6 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   }
 };
 
-// Rotates head rows of hd values in place of y: y[j] = x[j] c[j] - x[j + half] s[j] for the first
-// half, x[j] c[j] + x[j - half] s[j] for the second (sign = -1 applies the transpose, the
-// backward pass's rotation).
-void Rotate(const at::BFloat16* x, const float* c, const float* s, at::BFloat16* y, int64_t hd,
-            float sign) {
-  const int64_t half = hd / 2;
-  for (int64_t j = 0; j < half; ++j) {
-    y[j] = at::BFloat16(static_cast<float>(x[j]) * c[j] -
-                        sign * (static_cast<float>(x[j + half]) * s[j]));
-  }
-  for (int64_t j = half; j < hd; ++j) {
-    y[j] = at::BFloat16(static_cast<float>(x[j]) * c[j] +
-                        sign * (static_cast<float>(x[j - half]) * s[j]));
-  }
-}
-
 struct QkvRotaryFunction : public torch::autograd::Function<QkvRotaryFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& cos,
                                const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
@@ -159,11 +144,11 @@ struct QkvRotaryFunction : public torch::autograd::Function<QkvRotaryFunction> {
     for (int64_t i = 0; i < n; ++i) {
       const at::BFloat16* row = xp + i * width;
       for (int64_t h = 0; h < heads; ++h) {
-        Rotate(row + h * hd, cp + i * hd, sp + i * hd, qp + (i * heads + h) * hd, hd, 1.f);
+        RotateHeadRow(row + h * hd, cp + i * hd, sp + i * hd, qp + (i * heads + h) * hd, hd, 1.f);
       }
       for (int64_t h = 0; h < kv_heads; ++h) {
-        Rotate(row + (heads + h) * hd, cp + i * hd, sp + i * hd, kp + (i * kv_heads + h) * hd, hd,
-               1.f);
+        RotateHeadRow(row + (heads + h) * hd, cp + i * hd, sp + i * hd,
+                      kp + (i * kv_heads + h) * hd, hd, 1.f);
       }
       std::copy(row + (heads + kv_heads) * hd, row + width, vp + i * kv_heads * hd);
     }
@@ -195,7 +180,7 @@ struct QkvRotaryFunction : public torch::autograd::Function<QkvRotaryFunction> {
           if (part == 2) {
             std::copy(from, from + hd, to);
           } else {
-            Rotate(from, cp + i * hd, sp + i * hd, to, hd, -1.f);
+            RotateHeadRow(from, cp + i * hd, sp + i * hd, to, hd, -1.f);
           }
         }
       }

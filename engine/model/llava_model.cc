@@ -36,6 +36,12 @@ bool IsPlainCpuBf16(const at::Tensor& t) {
   return t.defined() && t.is_cpu() && t.scalar_type() == at::kBFloat16 && !t.requires_grad();
 }
 
+// A contiguous CPU tensor of `type` under autograd: the trainer's forward, which takes the fused
+// ops of autograd_ops.h.
+bool IsTrainingCpu(const at::Tensor& t, at::ScalarType type) {
+  return t.requires_grad() && t.is_cpu() && t.scalar_type() == type && t.is_contiguous();
+}
+
 // False for a bf16 CPU tensor outside autograd on a CPU path without AVX512-BF16, whose
 // products ATen (oneDNN) runs 10-50x slower than in fp32: the caller converts them.
 bool FastBf16Matmul(const at::Tensor& t) {
@@ -54,8 +60,7 @@ at::Tensor Silu(const at::Tensor& x) {
 // silu(gate) * up of a fused gate/up projection's output [N, 2F]; one pass forward and one
 // backward in the trainer (autograd_ops.h).
 at::Tensor SwiGlu(const at::Tensor& gate_up, int64_t f) {
-  if (gate_up.requires_grad() && gate_up.is_cpu() && gate_up.scalar_type() == at::kBFloat16 &&
-      gate_up.is_contiguous() && gate_up.dim() == 2) {
+  if (IsTrainingCpu(gate_up, at::kBFloat16) && gate_up.dim() == 2) {
     return TrainSwiGlu(gate_up);
   }
   return Silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f);
@@ -274,12 +279,25 @@ RotaryTable MakeRotaryTable(const at::Tensor& positions, const at::Tensor& inv_f
   return {emb.cos(), emb.sin()};
 }
 
+void RotateHeadRow(const at::BFloat16* x, const float* c, const float* s, at::BFloat16* y,
+                   int64_t hd, float sign) {
+  const int64_t half = hd / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    y[j] = at::BFloat16(static_cast<float>(x[j]) * c[j] -
+                        sign * (static_cast<float>(x[j + half]) * s[j]));
+  }
+  for (int64_t j = half; j < hd; ++j) {
+    y[j] = at::BFloat16(static_cast<float>(x[j]) * c[j] +
+                        sign * (static_cast<float>(x[j - half]) * s[j]));
+  }
+}
+
 at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table) {
   if (IsPlainCpuBf16(x) && x.dim() == 3 && x.stride(2) == 1 && table.cos.is_contiguous() &&
       table.sin.is_contiguous() && table.cos.scalar_type() == at::kFloat &&
       table.cos.size(0) == x.size(0) && table.cos.size(2) == x.size(2)) {
     // x [n, heads, hd] (a strided view of the fused q/k/v rows) -> contiguous, in one pass.
-    const int64_t n = x.size(0), heads = x.size(1), hd = x.size(2), half = hd / 2;
+    const int64_t n = x.size(0), heads = x.size(1), hd = x.size(2);
     at::Tensor y = at::empty({n, heads, hd}, x.options());
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
     const float* cp = table.cos.data_ptr<float>();
@@ -287,18 +305,8 @@ at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table) {
     at::BFloat16* yp = y.data_ptr<at::BFloat16>();
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t h = 0; h < heads; ++h) {
-        const at::BFloat16* xr = xp + i * x.stride(0) + h * x.stride(1);
-        const float* c = cp + i * hd;
-        const float* sn = sp + i * hd;
-        at::BFloat16* yr = yp + (i * heads + h) * hd;
-        for (int64_t d = 0; d < half; ++d) {
-          yr[d] = at::BFloat16(static_cast<float>(xr[d]) * c[d] -
-                               static_cast<float>(xr[d + half]) * sn[d]);
-        }
-        for (int64_t d = half; d < hd; ++d) {
-          yr[d] = at::BFloat16(static_cast<float>(xr[d]) * c[d] +
-                               static_cast<float>(xr[d - half]) * sn[d]);
-        }
+        RotateHeadRow(xp + i * x.stride(0) + h * x.stride(1), cp + i * hd, sp + i * hd,
+                      yp + (i * heads + h) * hd, hd);
       }
     }
     return y;
@@ -517,8 +525,7 @@ at::Tensor LlavaModel::EncodeImages(const at::Tensor& pixel_values) const {
     if (v.hidden_act == "quick_gelu" && IsPlainCpuBf16(h) && h.is_contiguous()) {
       QuickGeluBf16(reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>()),
                     reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()), h.numel());
-    } else if (v.hidden_act == "quick_gelu" && h.requires_grad() && h.is_cpu() &&
-               h.scalar_type() == at::kBFloat16 && h.is_contiguous()) {
+    } else if (v.hidden_act == "quick_gelu" && IsTrainingCpu(h, at::kBFloat16)) {
       h = TrainQuickGelu(h);  // the trainer: one pass forward, one backward
     } else {
       h = v.hidden_act == "quick_gelu" ? h * at::sigmoid(1.702 * h) : Gelu(h);
@@ -696,8 +703,8 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
     at::Tensor hn = RmsNorm(x, l.input_norm, t.rms_norm_eps);
     at::Tensor qkv = l.qkv(hn);  // [N, (H + 2 Hkv) hd]
     at::Tensor q, k, v;
-    if (qkv.requires_grad() && qkv.is_cpu() && qkv.scalar_type() == at::kBFloat16 &&
-        qkv.is_contiguous() && rope.cos.scalar_type() == at::kFloat && rope.cos.is_contiguous() &&
+    if (IsTrainingCpu(qkv, at::kBFloat16) && rope.cos.scalar_type() == at::kFloat &&
+        rope.cos.is_contiguous() &&
         rope.sin.is_contiguous()) {  // the trainer: split and rotation in one pass each way
       const std::vector<at::Tensor> qkv3 = TrainQkvRotary(qkv, rope.cos, rope.sin, nh, nkv);
       q = qkv3[0];

@@ -169,6 +169,11 @@ struct RotaryTable {
 RotaryTable MakeRotaryTable(const at::Tensor& positions, const at::Tensor& inv_freq);
 // x [n, heads, hd] -> rotated, same dtype.
 at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table);
+// One head row of hd bf16 values rotated by one position's cos / sin row, fp32 arithmetic and
+// one rounding: y[j] = x[j] c[j] - x[j + half] s[j] in the first half, x[j] c[j] + x[j - half]
+// s[j] in the second. sign = -1 applies the transposed rotation (the trainer's backward pass).
+void RotateHeadRow(const at::BFloat16* x, const float* c, const float* s, at::BFloat16* y,
+                   int64_t hd, float sign = 1.f);
 // Receives the softmax probabilities of query rows [first, first + rows): [H, rows, len], fp32.
 using ProbsObserver = std::function<void(int64_t first, const at::Tensor& probs)>;
 
