@@ -33,9 +33,19 @@ t_start=$(date +%s)
 log() { echo "[$(date +%T) +$(($(date +%s) - t_start))s] $*" | tee -a "$out/run.log"; }
 # step NAME LIMIT_S LOGFILE CMD...: runs CMD with a time limit, appends its output to LOGFILE,
 # logs the exit status and the last lines.
+# LLAVA_GPU_DEADLINE=S (seconds from the start) caps every step, so that the run ends, its files
+# written, before the device call's own limit.
 step() {
   local name=$1 limit=$2 file=$3
   shift 3
+  if [ "${LLAVA_GPU_DEADLINE:-0}" -gt 0 ]; then
+    local left=$((LLAVA_GPU_DEADLINE - ($(date +%s) - t_start)))
+    if [ $left -lt 15 ]; then
+      log "$name: skipped (deadline)"
+      return 124
+    fi
+    [ $left -lt "$limit" ] && limit=$left
+  fi
   log "$name: $*"
   echo "=== $name: $*" >> "$out/$file"
   timeout "$limit" "$@" >> "$out/$file" 2>&1
@@ -102,18 +112,72 @@ if [ ! -f "$sysroot/usr/lib/cmake/GTest/GTestConfig.cmake" ] &&
 fi
 
 # ---- the model-only build ----------------------------------------------------------------------
+# Two ways to libtorch: PyTorch's CMake package (given hints for the cuDNN and NVTX it looks for
+# again, which pip installs in its own Python packages), and, if that refuses to configure, the
+# headers and libraries named directly (LLAVA_TORCH_LIBS). LLAVA_GPU_TORCH=direct skips the first.
 build=$work/build
 cuda_args=()
 if [ "$cuda" = ON ]; then
   nvcc_path=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
   cuda_args=(-DCMAKE_CUDA_COMPILER="$nvcc_path" -DCMAKE_CUDA_ARCHITECTURES=90)
+  export TORCH_CUDA_ARCH_LIST=9.0
+  cuda_include=$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")/include
+  [ -d "$cuda_include/nvtx3" ] && cuda_args+=(-DUSE_SYSTEM_NVTX=ON -Dnvtx3_dir="$cuda_include")
 fi
-step configure 300 build.log cmake -S "$root" -B "$build" "${generator[@]}" \
-  -DCMAKE_BUILD_TYPE=Release -DLLAVA_MODEL_ONLY=ON -DLLAVA_WITH_CUDA="$cuda" \
-  -DCMAKE_CXX_STANDARD="$cxx_std" \
-  -DCMAKE_PREFIX_PATH="${torch_prefix:+$torch_prefix;}$sysroot/usr" "${cuda_args[@]}" || exit 1
-step build 900 build.log cmake --build "$build" --target llava-bench device_tests -j "$jobs" ||
+package_args=()
+if [ "$device" != cpu ]; then
+  cudnn_lib=- cudnn_inc=-
+  read -r cudnn_lib cudnn_inc < <(python3 - << 'PY'
+import glob, os, torch
+sp = os.path.dirname(os.path.dirname(torch.__file__))
+libs = sorted(glob.glob(os.path.join(sp, "nvidia", "**", "libcudnn.so*"), recursive=True))
+hdrs = sorted(glob.glob(os.path.join(sp, "nvidia", "**", "cudnn_version.h"), recursive=True))
+print(libs[0] if libs else "-", os.path.dirname(hdrs[0]) if hdrs else "-")
+PY
+  )
+  cudnn_lib=${cudnn_lib:--} cudnn_inc=${cudnn_inc:--}
+  log "cuDNN for PyTorch's CMake package: lib=$cudnn_lib include=$cudnn_inc"
+  if [ "$cudnn_lib" != - ] && [ "$cudnn_inc" != - ]; then
+    package_args=(-DCAFFE2_USE_CUDNN=ON -DCUDNN_LIBRARY_PATH="$cudnn_lib"
+      -DCUDNN_INCLUDE_PATH="$cudnn_inc")
+  fi
+fi
+common_args=(-DCMAKE_BUILD_TYPE=Release -DLLAVA_MODEL_ONLY=ON -DLLAVA_WITH_CUDA="$cuda"
+  -DCMAKE_CXX_STANDARD="$cxx_std" "${cuda_args[@]}")
+configured=0
+if [ "${LLAVA_GPU_TORCH:-package}" != direct ]; then
+  if step configure 300 build.log cmake -S "$root" -B "$build" "${generator[@]}" "${common_args[@]}" \
+    -DCMAKE_PREFIX_PATH="${torch_prefix:+$torch_prefix;}$sysroot/usr" "${package_args[@]}"; then
+    configured=1
+  else
+    grep -A6 "CMake Error" "$out/build.log" | head -n 40 | sed 's/^/    /' >> "$out/run.log"
+  fi
+fi
+if [ $configured = 0 ]; then
+  if [ "$device" = cpu ]; then
+    torch_include="/usr/include/torch/csrc/api/include"
+    torch_libdir=$(dirname "$(readlink -f /usr/lib/x86_64-linux-gnu/libtorch.so)")
+  else
+    torch_dir=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+    torch_include="$torch_dir/include;$torch_dir/include/torch/csrc/api/include"
+    torch_libdir=$torch_dir/lib
+  fi
+  torch_libs=""
+  for name in torch torch_cpu c10 torch_cuda c10_cuda; do
+    [ -e "$torch_libdir/lib$name.so" ] && torch_libs="${torch_libs:+$torch_libs;}$torch_libdir/lib$name.so"
+  done
+  rm -rf "$build"
+  step configure-direct 300 build.log cmake -S "$root" -B "$build" "${generator[@]}" \
+    "${common_args[@]}" -DCMAKE_PREFIX_PATH="$sysroot/usr" -DLLAVA_TORCH_INCLUDE="$torch_include" \
+    -DLLAVA_TORCH_LIBS="$torch_libs" -DLLAVA_TORCH_CXX11_ABI="$abi" || {
+    grep -A6 "CMake Error" "$out/build.log" | tail -n 40 | sed 's/^/    /' >> "$out/run.log"
+    exit 1
+  }
+fi
+step build 900 build.log cmake --build "$build" --target llava-bench device_tests -j "$jobs" || {
+  grep -B2 -A6 -E "error|Error" "$out/build.log" | head -n 60 | sed 's/^/    /' >> "$out/run.log"
   exit 1
+}
 
 # ---- device tests --------------------------------------------------------------------------------
 LLAVA_TEST_DEVICE=$device step tests 300 tests.log "$build/device_tests" \
