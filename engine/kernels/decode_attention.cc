@@ -11,6 +11,9 @@
 #include "engine/kernels/avx512_reduce.h"
 #include "engine/kernels/cpu_gemv.h"
 #include "engine/kernels/cpu_ops.h"
+#ifdef LLAVA_WITH_CUDA
+#include "engine/kernels/cuda/decode_attention.h"
+#endif
 
 namespace llava {
 namespace {
@@ -403,9 +406,83 @@ void RunGroup(CpuPath path, int64_t hd, const float* q, const uint16_t* qb, int6
 
 }  // namespace
 
+bool DecodeAttentionRunsOn(const at::Device& device) {
+#ifdef LLAVA_WITH_CUDA
+  if (device.is_cuda()) return true;
+#endif
+  return device.is_cpu();
+}
+
+#ifdef LLAVA_WITH_CUDA
+namespace {
+
+// The CUDA kernel behind DecodeAttention's contract: the caches read in place, a launch per
+// kMaxSequences sequences, the output and the probabilities in the caches' dtype and in float.
+at::Tensor DecodeAttentionCuda(const at::Tensor& q, const std::vector<at::Tensor>& keys,
+                               const std::vector<at::Tensor>& values,
+                               const std::vector<bool>& want_probs,
+                               std::vector<at::Tensor>* probs) {
+  TORCH_CHECK(q.dim() == 3, "DecodeAttention: q must be [B, H, hd]");
+  const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);
+  TORCH_CHECK(batch > 0 && static_cast<int64_t>(keys.size()) == batch &&
+                  static_cast<int64_t>(values.size()) == batch,
+              "DecodeAttention: one key and value tensor per sequence");
+  const at::ScalarType type = keys[0].scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16, "DecodeAttention: float or bf16");
+  const int64_t kv_heads = keys[0].size(0);
+  std::vector<cuda::DecodeSequence> table(batch);
+  if (probs != nullptr) probs->assign(batch, at::Tensor());
+  const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+  for (int64_t b = 0; b < batch; ++b) {
+    const at::Tensor& k = keys[b];
+    const at::Tensor& v = values[b];
+    TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(2) == hd &&
+                    k.size(0) == kv_heads && heads % kv_heads == 0 && k.stride(2) == 1 &&
+                    v.stride(2) == 1 && k.scalar_type() == type && v.scalar_type() == type &&
+                    k.device() == q.device() && v.device() == q.device() && k.size(1) > 0,
+                "DecodeAttention: sequence ", b, " has keys ", k.sizes(), " / values ", v.sizes(),
+                " that do not fit q ", q.sizes());
+    cuda::DecodeSequence& s = table[b];
+    s.keys = k.data_ptr();
+    s.values = v.data_ptr();
+    s.probs = nullptr;
+    if (probs != nullptr && want_probs[b]) {
+      (*probs)[b] = at::empty({heads, 1, k.size(1)}, f32);
+      s.probs = (*probs)[b].data_ptr<float>();
+    }
+    s.key_head_stride = k.stride(0);
+    s.value_head_stride = v.stride(0);
+    s.key_row_stride = static_cast<int32_t>(k.stride(1));
+    s.value_row_stride = static_cast<int32_t>(v.stride(1));
+    s.len = static_cast<int32_t>(k.size(1));
+  }
+  const at::Tensor qc = q.to(type).contiguous();
+  at::Tensor out = at::empty({batch, heads, hd}, qc.options());
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  const int64_t elem = static_cast<int64_t>(qc.element_size());
+  for (int64_t b0 = 0; b0 < batch; b0 += cuda::kMaxSequences) {
+    const int n = static_cast<int>(std::min<int64_t>(cuda::kMaxSequences, batch - b0));
+    const int64_t offset = b0 * heads * hd * elem;  // bytes
+    TORCH_CHECK(cuda::DecodeAttention(
+                    static_cast<const char*>(qc.data_ptr()) + offset, table.data() + b0, n,
+                    static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(hd),
+                    scale, type == at::kBFloat16, static_cast<char*>(out.data_ptr()) + offset,
+                    q.device().index(), /*stream=*/nullptr),
+                "DecodeAttention: the CUDA kernel failed (a cache longer than the device's "
+                "shared memory holds, 4 bytes an entry, or a launch error)");
+  }
+  return out.view({batch, heads * hd}).to(q.scalar_type());
+}
+
+}  // namespace
+#endif
+
 at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                            const std::vector<at::Tensor>& values,
                            const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs) {
+#ifdef LLAVA_WITH_CUDA
+  if (q.is_cuda()) return DecodeAttentionCuda(q, keys, values, want_probs, probs);
+#endif
   TORCH_CHECK(q.dim() == 3 && q.device().is_cpu() && q.size(2) <= kMaxHeadDim,
               "DecodeAttention: q must be [B, H, hd <= 256] on CPU");
   const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);

@@ -1,4 +1,4 @@
-// Attention of one decode step for a batch of sequences in one call (CPU).
+// Attention of one decode step for a batch of sequences in one call (CPU; CUDA in a CUDA build).
 //
 // During decoding every running sequence contributes one query row per layer, and each has its
 // own KV cache of its own length. Run through ATen, that is a dozen small ops per sequence and
@@ -19,9 +19,13 @@ namespace llava {
 // Returns softmax(q k^T / sqrt(hd)) v as [B, H * hd] in q's dtype (no mask: every stored entry
 // precedes the new row). When `probs` is not null, (*probs)[b] receives the probabilities of
 // sequence b as a float [H, 1, L_b] tensor for each b with want_probs[b], and stays undefined
-// otherwise. CPU tensors only.
+// otherwise. CPU tensors, and CUDA tensors in a build with LLAVA_WITH_CUDA (one kernel
+// launch per 64 sequences, float or bf16 caches of the same dtype, engine/kernels/cuda/).
 at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                            const std::vector<at::Tensor>& values,
                            const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs);
+
+// Whether DecodeAttention runs on tensors of `device` (the CPU; CUDA in a CUDA build).
+bool DecodeAttentionRunsOn(const at::Device& device);
 
 }  // namespace llava

@@ -642,8 +642,9 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
       any_want = any_want || want[i];
     }
     const bool all = b == chunks.size();  // then rows are 0..b-1 in order
-    at::Tensor out = DecodeAttention(all ? q : q.index_select(0, at::tensor(rows, at::kLong)), keys,
-                                     values, want, any_want ? &probs : nullptr);
+    at::Tensor out =
+        DecodeAttention(all ? q : q.index_select(0, at::tensor(rows, at::kLong).to(q.device())),
+                        keys, values, want, any_want ? &probs : nullptr);
     for (size_t i = 0; i < b; ++i) {
       if (want[i]) chunks[decode_rows[i]].cache->ObserveAttention(layer, probs[i]);
     }
@@ -686,10 +687,10 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
     total += n;
   }
   const at::Device dev(options_.device);
-  // Chunks of one new token (decoding) share one DecodeAttention call per layer on the CPU.
+  // Chunks of one new token (decoding) share one DecodeAttention call per layer (CPU, CUDA).
   std::vector<size_t> decode_rows;
   // (The trainer's forward, whose weights require grad, keeps ATen's differentiable path.)
-  if (dev.is_cpu() && !embed_tokens_.requires_grad()) {
+  if (DecodeAttentionRunsOn(dev) && !embed_tokens_.requires_grad()) {
     for (size_t c = 0; c < chunks.size(); ++c) {
       if (chunks[c].embeds.size(0) == 1) decode_rows.push_back(c);
     }

@@ -1,0 +1,144 @@
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+
+#include "engine/kernels/cuda/decode_attention.h"
+
+namespace llava::cuda {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kWarps = kThreads / 32;
+
+struct Batch {
+  DecodeSequence seq[kMaxSequences];
+};
+static_assert(sizeof(Batch) <= 3900, "the table must fit a kernel's 4 KB of arguments");
+
+__device__ inline float Load(const float* p) { return *p; }
+__device__ inline float Load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ inline void Store(float* p, float v) { *p = v; }
+__device__ inline void Store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+
+__device__ inline float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ inline float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Every thread gets the block's total; `red` holds kWarps floats.
+template <bool kMax>
+__device__ inline float BlockReduce(float v, float* red) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  v = kMax ? WarpMax(v) : WarpSum(v);
+  __syncthreads();  // `red` may still be read by a previous reduction
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float r = red[0];
+  for (int w = 1; w < kWarps; ++w) r = kMax ? fmaxf(r, red[w]) : r + red[w];
+  return r;
+}
+
+// One block per (query head, sequence). Shared memory: the scaled query [hd], the row's
+// scores then probabilities [len], and kWarps floats for the reductions.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    DecodeAttentionKernel(const T* __restrict__ q, const __grid_constant__ Batch batch, int heads,
+                          int group, int hd, float scale, T* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int h = blockIdx.x, b = blockIdx.y;
+  const DecodeSequence& s = batch.seq[b];
+  const int len = s.len;
+  float* qs = smem;
+  float* red = qs + hd;
+  float* p = red + kWarps;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+
+  const T* qr = q + (static_cast<int64_t>(b) * heads + h) * hd;
+  for (int d = threadIdx.x; d < hd; d += kThreads) qs[d] = Load(qr + d) * scale;
+  __syncthreads();
+
+  const int kvh = h / group;
+  const T* k = static_cast<const T*>(s.keys) + kvh * s.key_head_stride;
+  for (int j = warp; j < len; j += kWarps) {  // a warp per key row, its lanes across hd
+    const T* kj = k + static_cast<int64_t>(j) * s.key_row_stride;
+    float acc = 0.f;
+    for (int d = lane; d < hd; d += 32) acc += qs[d] * Load(kj + d);
+    acc = WarpSum(acc);
+    if (lane == 0) p[j] = acc;
+  }
+  __syncthreads();
+
+  float m = -FLT_MAX;
+  for (int j = threadIdx.x; j < len; j += kThreads) m = fmaxf(m, p[j]);
+  m = BlockReduce<true>(m, red);
+  float sum = 0.f;
+  for (int j = threadIdx.x; j < len; j += kThreads) {
+    const float e = expf(p[j] - m);
+    p[j] = e;
+    sum += e;
+  }
+  const float inv = 1.f / BlockReduce<false>(sum, red);  // (its barrier publishes p)
+  if (s.probs != nullptr) {
+    float* pr = s.probs + static_cast<int64_t>(h) * len;
+    for (int j = threadIdx.x; j < len; j += kThreads) pr[j] = p[j] * inv;
+  }
+
+  const T* v = static_cast<const T*>(s.values) + kvh * s.value_head_stride;
+  T* o = out + (static_cast<int64_t>(b) * heads + h) * hd;
+  for (int d = threadIdx.x; d < hd; d += kThreads) {  // a thread per output column
+    float acc = 0.f;
+    for (int j = 0; j < len; ++j)
+      acc += p[j] * Load(v + static_cast<int64_t>(j) * s.value_row_stride + d);
+    Store(o + d, acc * inv);
+  }
+}
+
+template <typename T>
+bool Launch(const void* q, const DecodeSequence* sequences, int n, int heads, int kv_heads,
+            int head_dim, float scale, void* out, cudaStream_t stream) {
+  Batch batch;
+  int max_len = 0;
+  for (int i = 0; i < n; ++i) {
+    batch.seq[i] = sequences[i];
+    if (sequences[i].len > max_len) max_len = sequences[i].len;
+  }
+  const size_t bytes = sizeof(float) * (static_cast<size_t>(head_dim) + kWarps + max_len);
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess ||
+      bytes > static_cast<size_t>(optin)) {
+    return false;
+  }
+  if (bytes > 48 * 1024 &&
+      cudaFuncSetAttribute(DecodeAttentionKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(bytes)) != cudaSuccess) {
+    return false;
+  }
+  DecodeAttentionKernel<T><<<dim3(heads, n), kThreads, bytes, stream>>>(
+      static_cast<const T*>(q), batch, heads, heads / kv_heads, head_dim, scale,
+      static_cast<T*>(out));
+  return cudaGetLastError() == cudaSuccess;
+}
+
+}  // namespace
+
+bool DecodeAttention(const void* q, const DecodeSequence* sequences, int n, int heads, int kv_heads,
+                     int head_dim, float scale, bool bf16, void* out, int device, void* stream) {
+  if (n <= 0 || n > kMaxSequences || kv_heads <= 0 || heads % kv_heads != 0) return false;
+  int current = 0;
+  if (cudaGetDevice(&current) != cudaSuccess) return false;
+  if (current != device && cudaSetDevice(device) != cudaSuccess) return false;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const bool ok =
+      bf16 ? Launch<__nv_bfloat16>(q, sequences, n, heads, kv_heads, head_dim, scale, out, st)
+           : Launch<float>(q, sequences, n, heads, kv_heads, head_dim, scale, out, st);
+  if (current != device) cudaSetDevice(current);
+  return ok;
+}
+
+}  // namespace llava::cuda
