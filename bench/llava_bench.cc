@@ -482,6 +482,11 @@ int main(int argc, char** argv) {
                  device_name.c_str());
     return 1;
   }
+  if (!device.is_cpu()) {
+    std::printf("decode attention on %s: %s\n", device_name.c_str(),
+                llava::DecodeAttentionRunsOn(device) ? "one batched kernel per layer"
+                                                     : "ATen, one sequence at a time");
+  }
   if (!device.is_cpu() && (suite == "matmul" || suite == "attention")) {
     std::fprintf(stderr, "--suite %s measures the CPU kernels: --device must be cpu\n",
                  suite.c_str());

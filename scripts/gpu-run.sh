@@ -9,17 +9,22 @@
 #
 #   scripts/gpu-run.sh OUT [quick|full|smoke]
 #
-#   quick  device tests; decode at batch 1/8/16/32 on 4 LLaVA-7B-shaped layers; the paper's
-#          experiment (1024-token prompts, 512-token answers, batch 16, Full vs Elastic 0.2,
-#          and Elastic at the batch that fits Full's KV bytes) on 4 layers (~5 min with build)
+#   quick  device tests (twice: decode attention through ATen, then the CUDA kernel); decode at
+#          batch 1/8/16/32 on 4 LLaVA-7B-shaped layers, each way; the paper's experiment
+#          (1024-token prompts, 512-token answers, batch 16, Full vs Elastic 0.2, and Elastic at
+#          the batch that fits Full's KV bytes) on 4 layers with the kernel (~2.5 min with build)
 #   full   quick, then the same decode and paper runs on all 32 layers (13.5 GB of bf16)
+#
+# The first run (2026-12-04, H200, before the kernel): build 78 s from a bare machine, the
+# whole `full` run 452 s, paper-32 alone 294 s (docs/BENCHMARKS.md, "On a GPU").
 #   smoke  tiny shapes: for trying the script itself
 #
 # LLAVA_GPU_DEVICE=cpu runs it on a CPU machine against the system libtorch (no CUDA), which is
 # how the script is tested where there is no GPU (`LLAVA_GPU_DEVICE=cpu scripts/gpu-run.sh
 # /tmp/gpu-out smoke`). Each step has a time limit, so what finished comes back even when a
 # later step hangs. The call, from a session with a device (docs/BENCHMARKS.md, "On a GPU"):
-#   run(command="bash scripts/gpu-run.sh $OUT quick", carry=[".gpu-deps"], timeout_s=590)
+#   run(command="LLAVA_GPU_DEADLINE=500 bash scripts/gpu-run.sh $OUT full", carry=[".gpu-deps"],
+#       timeout_s=530)
 set -uo pipefail
 out=${1:?usage: scripts/gpu-run.sh OUT [quick|full|smoke]}
 mode=${2:-quick}
@@ -182,6 +187,10 @@ step build 900 build.log cmake --build "$build" --target llava-bench device_test
 # ---- device tests --------------------------------------------------------------------------------
 LLAVA_TEST_DEVICE=$device step tests 300 tests.log "$build/device_tests" \
   --gtest_output="xml:$out/tests.xml"
+# Again with the model's decode rows on the batched CUDA decode-attention kernel, which the
+# model uses on a GPU only when asked until a run of this script has passed with it.
+LLAVA_CUDA_ATTENTION=kernel LLAVA_TEST_DEVICE=$device step tests-kernel 300 tests.log \
+  "$build/device_tests"
 
 # ---- benchmarks (each key=value line also goes to summary.txt) -----------------------------------
 bench() {
@@ -195,23 +204,27 @@ bench() {
     echo "$name failed (bench.log)" >> "$out/summary.txt"
   fi
 }
+kernel() { LLAVA_CUDA_ATTENTION=kernel bench "$@"; }
 if [ "$mode" = smoke ]; then
   bench decoder-smoke 120 --layers 1 --prompt 32 --batches 1 2 --context 16 --steps 4 --reps 2
-  bench paper-smoke 120 --suite paper --layers 1 --prompt 64 --answer 8 --batches 2 \
+  kernel paper-smoke-kernel 120 --suite paper --layers 1 --prompt 64 --answer 8 --batches 2 \
     --equal-memory true --max-batch 6
 else
+  # ATen's attention (one sequence at a time) against the kernel, then the paper's experiment.
   bench decoder-4 240 --layers 4 --prompt 512 --batches 1 8 16 32 --context 64 --steps 32 --reps 5
-  bench paper-4 300 --suite paper --layers 4 --prompt 1024 --answer 512 --batches 16 \
+  kernel decoder-4-kernel 240 --layers 4 --prompt 512 --batches 1 8 16 32 --context 64 \
+    --steps 32 --reps 5
+  kernel paper-4-kernel 300 --suite paper --layers 4 --prompt 1024 --answer 512 --batches 16 \
     --equal-memory true --max-batch 96
   if [ "$mode" = full ]; then
-    bench decoder-32 300 --layers 32 --prompt 512 --batches 1 8 16 32 --context 64 --steps 16 \
-      --reps 3
-    bench paper-32 600 --suite paper --layers 32 --prompt 1024 --answer 512 --batches 16 \
-      --equal-memory true --max-batch 96
+    kernel decoder-32-kernel 300 --layers 32 --prompt 512 --batches 1 8 16 32 --context 64 \
+      --steps 16 --reps 3
+    kernel paper-32-kernel 600 --suite paper --layers 32 --prompt 1024 --answer 512 \
+      --batches 16 --equal-memory true --max-batch 96
   fi
 fi
 # The run's verdict: every step above logged its exit status; the tests' decide.
-if grep -q 'tests: exit 0' "$out/run.log"; then
+if grep -q 'tests: exit 0' "$out/run.log" && grep -q 'tests-kernel: exit 0' "$out/run.log"; then
   log "done"
 else
   log "done: the device tests failed (tests.log)"

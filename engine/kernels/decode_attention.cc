@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "engine/kernels/avx512_reduce.h"
@@ -408,7 +410,15 @@ void RunGroup(CpuPath path, int64_t hd, const float* q, const uint16_t* qb, int6
 
 bool DecodeAttentionRunsOn(const at::Device& device) {
 #ifdef LLAVA_WITH_CUDA
-  if (device.is_cuda()) return true;
+  if (device.is_cuda()) {
+    // Not yet run on a GPU (docs/BENCHMARKS.md, "On a GPU"): until scripts/gpu-run.sh has
+    // passed with it, the model keeps ATen's per-sequence attention there unless asked.
+    static const bool kernel = [] {
+      const char* env = std::getenv("LLAVA_CUDA_ATTENTION");
+      return env != nullptr && std::string(env) == "kernel";
+    }();
+    return kernel;
+  }
 #endif
   return device.is_cpu();
 }

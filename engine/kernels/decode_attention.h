@@ -25,7 +25,8 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
                            const std::vector<at::Tensor>& values,
                            const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs);
 
-// Whether DecodeAttention runs on tensors of `device` (the CPU; CUDA in a CUDA build).
+// Whether the model sends its decode rows to DecodeAttention on `device`: the CPU always; CUDA
+// in a CUDA build with LLAVA_CUDA_ATTENTION=kernel (else ATen's attention per sequence).
 bool DecodeAttentionRunsOn(const at::Device& device);
 
 }  // namespace llava
