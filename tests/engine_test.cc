@@ -14,6 +14,7 @@
 #include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
 #include "engine/serving/generator.h"
+#include "engine/serving/warmup.h"
 #include "tests/engine_observer.h"
 #include "tests/test_util.h"
 #include "tests/tiny_model.h"
@@ -214,6 +215,32 @@ TEST_F(EngineTest, ShutdownDrainsThenRefuses) {
   EXPECT_NE(a->result_->finish, FinishReason::kCancelled);
   EXPECT_NE(b->result_->finish, FinishReason::kCancelled);
   EXPECT_EQ(engine.Submit(3, Request("late", 4, false), std::make_shared<Collector>()).code(),
+            StatusCode::kUnavailable);
+}
+
+// The server's warm-up: one image request (a BMP it writes itself) through the engine with a
+// compressing policy, nothing left behind, and the next request answered as if it had not run.
+TEST_F(EngineTest, WarmUpRunsOneRequestAndLeavesNothing) {
+  Engine engine(*loaded_, EngineOptions{});
+  CacheParams kv;
+  kv.budget = 0.5;
+  double ttft = -1;
+  const Status s = WarmUp(&engine, loaded_->config(), kv, 99, 60s, &ttft);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_GT(ttft, 0);
+  const EngineSnapshot snap = engine.Snapshot();
+  EXPECT_EQ(snap.running, 0);
+  EXPECT_EQ(snap.waiting, 0);
+  EXPECT_EQ(snap.kv_bytes_used, 0);
+  EXPECT_EQ(snap.kv_bytes_reserved, 0);
+  const std::vector<GenerationRequest> reqs = {Request("What is in the image?", 12, true)};
+  ExpectSameAsAlone(*loaded_, reqs, SubmitAll(&engine, reqs));
+}
+
+TEST_F(EngineTest, WarmUpReportsARefusal) {
+  Engine engine(*loaded_, EngineOptions{});
+  engine.Shutdown(0ms);
+  EXPECT_EQ(WarmUp(&engine, loaded_->config(), CacheParams{}, 1, 60s, nullptr).code(),
             StatusCode::kUnavailable);
 }
 
