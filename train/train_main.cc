@@ -54,7 +54,8 @@ struct TrainFlags {
   uint64_t seed = 0;
   int64_t steps = 3000, warmup = 150, save_every = 250;
   int batch = 8, threads = 2, shards = 0, vocab = 512, corpus_scenes = 20000;
-  std::string bf16 = "auto";  // ResolveBf16: "auto", "true" or "false"
+  std::string bf16_flag = "auto";  // --bf16 as given: "auto", "true" or "false"
+  bool bf16 = true;                // what main() made of it
   bool tie_embeddings = false;
   double embed_std = 0.02, patch_std = 0.02, pos_rms = 0.5, attn_weight = 0, patch_weight = 0,
          count_weight = 0;
@@ -175,7 +176,7 @@ void AddFlags(CLI::App& app, TrainFlags& f) {
   app.add_option("--tie-embeddings", f.tie_embeddings,
                  "one matrix for the token embeddings and the output head")
       ->capture_default_str();
-  app.add_option("--bf16", f.bf16,
+  app.add_option("--bf16", f.bf16_flag,
                  "bf16 autocast for the forward pass: true, false, or auto (true on CPUs with "
                  "AVX512-BF16, where libtorch's bf16 products are native; false elsewhere, where "
                  "they run ~17x slower than fp32)")
@@ -282,7 +283,7 @@ StepLosses TrainStep(llava::LlavaModel& model, const llava::Tokenizer& tok,
   times->data += std::chrono::duration<double>(std::chrono::steady_clock::now() - tick).count();
 
   llava::train::LossOptions o;
-  o.bf16 = f.bf16 == "true";
+  o.bf16 = f.bf16;
   o.attn_weight = f.attn_weight;
   o.patch_weight = f.patch_weight;
   o.count_weight = f.count_weight;
@@ -326,12 +327,14 @@ int main(int argc, char** argv) {
   // was 5% faster than one pass instead of ~1.3x.
   llava::InitTorchThreads(std::max(1, f.threads / f.shards));
   torch::manual_seed(f.seed);
-  if (f.bf16 == "auto") {
+  if (f.bf16_flag == "auto") {
     // On an AVX2 CPU (AMD EPYC, 2 cores) bf16 autocast trained at 224 tokens/s and fp32 at
     // 3,860: libtorch 1.13 has no fast bf16 product without AVX512-BF16 (docs/TRAINING.md).
-    f.bf16 = llava::CpuPathAtLeast(llava::CpuPath::kAvx512Bf16) ? "true" : "false";
-    std::printf("--bf16 auto: %s (CPU path %s)\n", f.bf16 == "true" ? "bf16 autocast" : "fp32",
+    f.bf16 = llava::CpuPathAtLeast(llava::CpuPath::kAvx512Bf16);
+    std::printf("--bf16 auto: %s (CPU path %s)\n", f.bf16 ? "bf16 autocast" : "fp32",
                 llava::CpuPathName(llava::ActiveCpuPath()));
+  } else {
+    f.bf16 = f.bf16_flag == "true";
   }
 
   if (std::system(("mkdir -p '" + f.out_dir + "'").c_str()) != 0) return 1;

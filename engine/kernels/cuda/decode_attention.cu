@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cfloat>
 
 #include "engine/kernels/cuda/decode_attention.h"
@@ -97,9 +98,23 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The device's opt-in shared memory per block, asked once per device (a launch per layer and
+// decode step would otherwise ask every time).
+int OptInSharedBytes(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> cached[kDevices] = {};
+  if (device < 0 || device >= kDevices) return 0;
+  int bytes = cached[device].load(std::memory_order_relaxed);
+  if (bytes == 0 && cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                           device) == cudaSuccess) {
+    cached[device].store(bytes, std::memory_order_relaxed);
+  }
+  return bytes;
+}
+
 template <typename T>
 bool Launch(const void* q, const DecodeSequence* sequences, int n, int heads, int kv_heads,
-            int head_dim, float scale, void* out, cudaStream_t stream) {
+            int head_dim, float scale, void* out, int device, cudaStream_t stream) {
   Batch batch;
   int max_len = 0;
   for (int i = 0; i < n; ++i) {
@@ -107,13 +122,7 @@ bool Launch(const void* q, const DecodeSequence* sequences, int n, int heads, in
     if (sequences[i].len > max_len) max_len = sequences[i].len;
   }
   const size_t bytes = sizeof(float) * (static_cast<size_t>(head_dim) + kWarps + max_len);
-  int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess ||
-      bytes > static_cast<size_t>(optin)) {
-    return false;
-  }
+  if (bytes > static_cast<size_t>(OptInSharedBytes(device))) return false;
   if (bytes > 48 * 1024 &&
       cudaFuncSetAttribute(DecodeAttentionKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(bytes)) != cudaSuccess) {
@@ -135,8 +144,9 @@ bool DecodeAttention(const void* q, const DecodeSequence* sequences, int n, int 
   if (current != device && cudaSetDevice(device) != cudaSuccess) return false;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const bool ok =
-      bf16 ? Launch<__nv_bfloat16>(q, sequences, n, heads, kv_heads, head_dim, scale, out, st)
-           : Launch<float>(q, sequences, n, heads, kv_heads, head_dim, scale, out, st);
+      bf16 ? Launch<__nv_bfloat16>(q, sequences, n, heads, kv_heads, head_dim, scale, out, device,
+                                   st)
+           : Launch<float>(q, sequences, n, heads, kv_heads, head_dim, scale, out, device, st);
   if (current != device) cudaSetDevice(current);
   return ok;
 }
