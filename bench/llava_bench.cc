@@ -3,7 +3,8 @@
 // Prints the machine's memory read bandwidth, prefill tokens/s for a 512-token prompt, decode
 // tokens/s at 1, 4 and 8 concurrent sequences (linear layers batched across sequences,
 // attention per sequence), and the decode "bandwidth floor": a batch-1 decode step must read
-// every decoder weight once, so tokens/s <= bandwidth / weight bytes. Medians of --reps runs.
+// every decoder weight once, so tokens/s <= bandwidth / weight bytes. Medians of --reps runs;
+// each batch-1 run is set against a bandwidth probe taken just before it.
 // With --model DIR the same measurements run on that checkpoint (e.g. the shipped default
 // model: how decode scales with the batch when per-sequence work, not weights, dominates).
 // --device cuda[:i] runs the decoder, policies and paper suites on a GPU (a CUDA libtorch;
@@ -42,11 +43,13 @@ double Median(std::vector<double> v) {
 // Waits for the device: the result's bytes on the host (a no-op wait on the CPU).
 void Sync(const at::Tensor& t) { (void)t.to(at::kCPU); }
 
-// Read bandwidth in bytes/s: a sum over a buffer far larger than the caches (best of runs).
-double MeasureReadBandwidth(int64_t bytes, const at::Device& device) {
-  at::Tensor buf = at::ones({bytes / 4}, at::TensorOptions(at::kFloat).device(device));
+// Read bandwidth in bytes/s: a sum over `buf`, a buffer far larger than the caches (best of
+// `runs`). The caller makes the buffer once and keeps it, so that probing before every timed
+// run does not also allocate and fill 1 GiB each time.
+double MeasureReadBandwidth(const at::Tensor& buf, int runs = 7) {
+  const double bytes = static_cast<double>(buf.numel() * buf.element_size());
   double best = 0;
-  for (int i = 0; i < 7; ++i) {
+  for (int i = 0; i < runs; ++i) {
     const auto t0 = Clock::now();
     volatile float s = buf.sum().item<float>();
     (void)s;
@@ -507,8 +510,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   // 1 GiB is far beyond a CPU's caches; a GPU reads it in ~0.3 ms, so it gets 8 GiB there.
-  const double bandwidth =
-      MeasureReadBandwidth(device.is_cpu() ? int64_t{1} << 30 : int64_t{8} << 30, device);
+  const int64_t probe_bytes = device.is_cpu() ? int64_t{1} << 30 : int64_t{8} << 30;
+  const auto probe_buffer = [&] {
+    return at::ones({probe_bytes / 4}, at::TensorOptions(at::kFloat).device(device));
+  };
+  const double bandwidth = MeasureReadBandwidth(probe_buffer());
   std::printf("threads=%d read_bandwidth=%.1f GB/s\n", threads, bandwidth / 1e9);
 
   const bool loaded = !model_dir.empty();
@@ -557,11 +563,19 @@ int main(int argc, char** argv) {
   const double prefill_tps = Median(prefill);
   std::printf("prefill  prompt=%d  %.1f tokens/s\n", prompt, prefill_tps);
 
-  // Decode: `b` sequences of `context` tokens, then `steps` batched steps.
+  // Decode: `b` sequences of `context` tokens, then `steps` batched steps. The batch-1 runs
+  // each take their own bandwidth probe just before: a shared host's bandwidth moved from 37 to
+  // 57 GB/s between runs of this program (docs/BENCHMARKS.md, "On a real AVX2-only CPU"), so
+  // the floor fraction is the median of each run against its own probe, not of the runs
+  // against one probe taken a minute earlier.
+  const double weight_bytes = DecodeWeightBytes(config);
+  const at::Tensor probe = probe_buffer();  // kept for the decode runs only (8 GiB on a GPU)
+  std::vector<double> b1_fractions, b1_probes;
   std::vector<std::pair<int, double>> decode;
   for (int b : batches) {
     std::vector<double> runs;
     for (int r = 0; r < reps; ++r) {
+      const double run_probe = b == 1 ? MeasureReadBandwidth(probe, 3) : 0;
       std::vector<std::unique_ptr<llava::KvCache>> caches;
       std::vector<llava::SequenceChunk> chunks(b);
       for (int i = 0; i < b; ++i) {
@@ -579,22 +593,34 @@ int main(int argc, char** argv) {
         Sync(model.Forward(chunks).argmax(-1));
       }
       runs.push_back(double(b) * steps / Seconds(t0));
+      if (b == 1) {
+        b1_probes.push_back(run_probe);
+        b1_fractions.push_back(runs.back() * weight_bytes / run_probe);
+      }
     }
     decode.emplace_back(b, Median(runs));
     std::printf("decode   batch=%d  %.1f tokens/s\n", b, decode.back().second);
   }
 
-  const double weight_bytes = DecodeWeightBytes(config);
-  const double floor_tps = bandwidth / weight_bytes;
+  // Without a batch-1 run, the floor comes from the probe at the start.
+  const double run_bandwidth = b1_probes.empty() ? bandwidth : Median(b1_probes);
+  const double floor_tps = run_bandwidth / weight_bytes;
   const double b1 = decode.empty() ? 0 : decode.front().second;
-  std::printf("bandwidth floor: %.1f tokens/s (%.2f GB of weights per token)\n", floor_tps,
+  const double fraction = b1_fractions.empty() ? b1 / floor_tps : Median(b1_fractions);
+  std::printf("bandwidth floor: %.1f tokens/s (%.2f GB of weights per token", floor_tps,
               weight_bytes / 1e9);
+  if (!b1_probes.empty()) {
+    std::printf("; probes beside the batch-1 runs %.1f-%.1f GB/s",
+                *std::min_element(b1_probes.begin(), b1_probes.end()) / 1e9,
+                *std::max_element(b1_probes.begin(), b1_probes.end()) / 1e9);
+  }
+  std::printf(")\n");
   std::printf("layers=%d threads=%d prefill_tok_s=%.1f", layers, threads, prefill_tps);
   for (const auto& [b, tps] : decode) std::printf(" decode_b%d_tok_s=%.1f", b, tps);
   for (const auto& [b, tps] : decode) {
     if (b != 1 && b1 > 0) std::printf(" speedup_b%d=%.2f", b, tps / b1);
   }
-  std::printf(" bandwidth_gb_s=%.1f floor_tok_s=%.1f floor_fraction=%.2f\n", bandwidth / 1e9,
-              floor_tps, b1 / floor_tps);
+  std::printf(" bandwidth_gb_s=%.1f floor_tok_s=%.1f floor_fraction=%.2f\n", run_bandwidth / 1e9,
+              floor_tps, fraction);
   return 0;
 }
