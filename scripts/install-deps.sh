@@ -3,6 +3,7 @@
 # Idempotent: packages already present are skipped by apt-get; safe to run repeatedly.
 # usage: install-deps.sh [--tests | --build-only]
 #   --build-only: only what building the service needs (the Docker image's build stage)
+#   LLAVA_DEPS_TORCH=none: without Debian's libtorch (Dockerfile.cuda brings PyTorch's CUDA one)
 set -euo pipefail
 
 PACKAGES=(
@@ -36,6 +37,9 @@ command -v npm > /dev/null 2>&1 || DEV_PACKAGES+=(npm)
 # installed already (e.g. the Google Cloud SDK's).
 command -v kubectl > /dev/null 2>&1 || DEV_PACKAGES+=(kubernetes-client)
 [ "${1:-}" = "--build-only" ] || PACKAGES+=("${DEV_PACKAGES[@]}")
+if [ "${LLAVA_DEPS_TORCH:-debian}" = none ]; then
+  for i in "${!PACKAGES[@]}"; do [ "${PACKAGES[$i]}" = libtorch-dev ] && unset "PACKAGES[$i]"; done
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

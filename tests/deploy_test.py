@@ -187,7 +187,7 @@ def check_overlay(overlay, docs):
 
 
 overlays = sorted(os.listdir(os.path.join(K8S, "overlays")))
-check({"cpu", "operator"} <= set(overlays), f"overlays: {overlays} lacks cpu or operator")
+check({"cpu", "operator", "gpu"} <= set(overlays), f"overlays: {overlays} lacks cpu, operator or gpu")
 rendered = {o: render(o) for o in overlays}
 check("keda" in overlays, "no overlays/keda")
 for overlay, docs in rendered.items():
@@ -196,11 +196,34 @@ for overlay, docs in rendered.items():
     image = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["image"]
     check("/" in image.split(":")[0], f"{overlay}: image {image} names no registry")
     # Memory: the limit holds at least the KV budget (the weights come on top, deploy/README.md).
-    res = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    pod_spec = docs["Deployment"][0]["spec"]["template"]["spec"]
+    res = pod_spec["containers"][0]["resources"]
     gib = {"Gi": 1.0, "Mi": 1 / 1024}
     limit = float(res["limits"]["memory"][:-2]) * gib[res["limits"]["memory"][-2:]]
-    check(limit > float(config.get("LLAVA_KV_CACHE_GIB", "0")),
-          f"{overlay}: memory limit {res['limits']['memory']} below the KV budget")
+    kv_gib = float(config.get("LLAVA_KV_CACHE_GIB", "0"))
+    gpus = int(res["limits"].get("nvidia.com/gpu", 0))
+    if not config.get("LLAVA_DEVICE", "cpu").startswith("cuda"):
+        check(gpus == 0, f"{overlay}: asks for a GPU but runs on the CPU (LLAVA_DEVICE)")
+        check(limit > kv_gib, f"{overlay}: memory limit {res['limits']['memory']} below the KV budget")
+    else:
+        # On a GPU the weights and the KV cache live in the GPU's memory: one GPU, a node
+        # affinity on NVIDIA's gpu.memory label (MiB) that holds weights + KV budget + 3 GiB
+        # (deploy/README.md, "A GPU per pod"), and the GPU nodes' taint tolerated.
+        check(gpus == 1 and int(res["requests"].get("nvidia.com/gpu", 0)) == 1,
+              f"{overlay}: LLAVA_DEVICE={config['LLAVA_DEVICE']} without nvidia.com/gpu: 1")
+        check("cuda" in image, f"{overlay}: runs on CUDA with the CPU image {image}")
+        weights_gib = 14.1e9 / 2**30 if "7b" in config.get("LLAVA_MODEL", "") else 0.0
+        terms = (pod_spec.get("affinity", {}).get("nodeAffinity", {})
+                 .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+                 .get("nodeSelectorTerms", []))
+        gpu_mib = [int(e["values"][0]) for t in terms for e in t.get("matchExpressions", [])
+                   if e["key"] == "nvidia.com/gpu.memory" and e["operator"] == "Gt"]
+        check(len(gpu_mib) == 1 and gpu_mib[0] / 1024 >= weights_gib + kv_gib + 3,
+              f"{overlay}: no node affinity for a GPU holding {weights_gib:.1f} GiB of weights "
+              f"+ {kv_gib} GiB of KV + 3 GiB (nvidia.com/gpu.memory: {gpu_mib})")
+        check(any(t.get("key") == "nvidia.com/gpu" and t.get("operator") == "Exists"
+                  for t in pod_spec.get("tolerations", [])),
+              f"{overlay}: the GPU nodes' nvidia.com/gpu taint is not tolerated")
     # Exactly one autoscaler, aimed at the Deployment.
     hpas, scaled = docs.get("HorizontalPodAutoscaler", []), docs.get("ScaledObject", [])
     check(len(hpas) + len(scaled) == 1,
@@ -218,7 +241,7 @@ for overlay, docs in rendered.items():
                 check_queries(t["metadata"]["query"], f"{overlay}: ScaledObject")
                 check(float(t["metadata"]["threshold"]) > 0, f"{overlay}: ScaledObject threshold")
 operator = rendered.get("operator", {})
-for name in ("operator", "keda"):
+for name in ("operator", "keda", "gpu"):
     check("PodMonitor" in rendered.get(name, {}) and "PrometheusRule" in rendered.get(name, {}),
           f"overlays/{name} renders no PodMonitor or PrometheusRule")
 for pm in operator.get("PodMonitor", []):
@@ -237,16 +260,27 @@ for name in ("operator", "keda"):
           f"overlays/{name}: no dashboard ConfigMap for Grafana's sidecar equal to "
           "deploy/grafana/llava-dashboard.json (scripts/sync_deploy.py)")
 docs = operator
+for name in ("Dockerfile", "Dockerfile.cuda"):
+    text = read(name)
+    # Flags on the command line win over LLAVA_* variables: the image must not pass any.
+    check(not re.search(r"^(CMD|ENTRYPOINT)[^\n]*--", text, re.M),
+          f"{name} passes server flags that would override the ConfigMap's LLAVA_* settings")
+    for port in ports.values():
+        check(re.search(rf"EXPOSE[^\n]*\b{port}\b", text) is not None,
+              f"{name} does not EXPOSE {port}")
+    health = re.search(r"^HEALTHCHECK [^\n]*\\\n[^\n]*", text, re.M)
+    check(health is not None and "/healthz" in health.group(0)
+          and "LLAVA_METRICS_LISTEN" in health.group(0),
+          f"{name}: no HEALTHCHECK reading /healthz on the LLAVA_METRICS_LISTEN port")
+    for key in re.findall(r"\b(LLAVA_[A-Z_]+)=", text):
+        check(key.startswith("LLAVA_DEPS_") or
+              re.search(re.escape("--" + key[len("LLAVA_"):].lower().replace("_", "-")) + r"\b",
+                        flags) is not None,
+              f"{name} sets {key}, which is no llava-server flag")
+cuda_dockerfile = read("Dockerfile.cuda")
+check("-DLLAVA_WITH_CUDA=ON" in cuda_dockerfile and "LLAVA_DEVICE=cuda" in cuda_dockerfile,
+      "Dockerfile.cuda does not build the CUDA kernels or does not run on the GPU")
 dockerfile = read("Dockerfile")
-# Flags on the command line win over LLAVA_* variables: the image must not pass any.
-check(not re.search(r"^(CMD|ENTRYPOINT)[^\n]*--", dockerfile, re.M),
-      "Dockerfile passes server flags that would override the ConfigMap's LLAVA_* settings")
-for port in ports.values():
-    check(re.search(rf"EXPOSE[^\n]*\b{port}\b", dockerfile) is not None,
-          f"Dockerfile does not EXPOSE {port}")
-health = re.search(r"^HEALTHCHECK [^\n]*\\\n[^\n]*", dockerfile, re.M)
-check(health is not None and "/healthz" in health.group(0) and "LLAVA_METRICS_LISTEN" in health.group(0),
-      "Dockerfile: no HEALTHCHECK reading /healthz on the LLAVA_METRICS_LISTEN port")
 ignored = read(".dockerignore").split()
 for path in ("build", ".git", "**/node_modules"):
     check(path in ignored, f".dockerignore does not leave out {path}")
