@@ -24,7 +24,7 @@ test: build
 # The gRPC service with the default model (gRPC :50051, metrics :9090). Ctrl-C drains and stops.
 # One intra-op thread: with the 5 M-parameter default model a second OpenMP thread only
 # contends with the gRPC threads (2.5x slower single stream on 2 cores, docs/BENCHMARKS.md).
-# Use --threads 0 (one per core) for a real LLaVA checkpoint.
+# --threads 0 (auto) picks the same for it, and one per core for a real LLaVA checkpoint.
 # The Docker image built without a Docker daemon (buildah, a debootstrapped debian:12 base), then
 # run from its own root filesystem and asked one question. Root; ~7 min (scripts/build-image.sh).
 image:

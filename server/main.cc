@@ -188,7 +188,9 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "cpu | cuda[:i]")
       ->envname(env("DEVICE"))
       ->capture_default_str();
-  app.add_option("--threads", threads, "intra-op threads (0 = one per core)")
+  app.add_option("--threads", threads,
+                 "intra-op threads (0 = auto: 1 for a model of at most 16 Mi parameters, else one "
+                 "per core)")
       ->envname(env("THREADS"));
   llava::MallocSettings malloc_settings;
   int64_t mmap_threshold_mib = malloc_settings.mmap_threshold_bytes >> 20;
@@ -210,7 +212,8 @@ int main(int argc, char** argv) {
   // Before any thread starts: arenas are taken per thread at its first allocation.
   malloc_settings.mmap_threshold_bytes = mmap_threshold_mib << 20;
   const std::string malloc_said = llava::ConfigureMalloc(malloc_settings);
-  threads = llava::InitTorchThreads(threads);
+  std::string threads_why;
+  threads = llava::InitTorchThreads(llava::ResolveModelThreads(threads, model_dir, &threads_why));
 
   llava::CacheParams default_kv;
   default_kv.budget = budget;
@@ -227,7 +230,7 @@ int main(int argc, char** argv) {
   spdlog::info("cpu kernels: {} (this CPU: {}); weights: {}",
                llava::CpuPathName(llava::ActiveCpuPath()),
                llava::CpuPathName(llava::DetectedCpuPath()), dtype_why);
-  spdlog::info("loading {} ({}, {}, {} threads); {}", model_dir, dtype, device, threads,
+  spdlog::info("loading {} ({}, {}, threads {}); {}", model_dir, dtype, device, threads_why,
                malloc_said);
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {

@@ -8,8 +8,10 @@
 // its quality.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "engine/eval/eval_metrics.h"
 #include "engine/kernels/runtime.h"
@@ -25,6 +27,19 @@ using Kind = ContentPart::Kind;
 std::string Trimmed(const std::string& s) {
   const size_t b = s.find_first_not_of(" \n"), e = s.find_last_not_of(" \n");
   return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+// --threads 0 reads the folder's parameter count: the shipped model is small enough for one.
+TEST(DefaultModel, AutoThreadsPickOne) {
+  std::string why;
+  const std::string dir = ::llava::testing::SourceDir() + "/models/shapes-llava";
+  EXPECT_EQ(ResolveModelThreads(0, dir, &why), 1) << why;
+  EXPECT_NE(why.find("parameters"), std::string::npos) << why;
+  EXPECT_EQ(ResolveModelThreads(2, dir, &why), 2) << why;
+  // A folder without a checkpoint: the count is unknown, so one thread per core.
+  EXPECT_EQ(ResolveModelThreads(0, dir + "/no-such-folder", &why),
+            std::max(1, static_cast<int>(std::thread::hardware_concurrency())))
+      << why;
 }
 
 TEST(DefaultModel, AnswersHeldOutQuestions) {

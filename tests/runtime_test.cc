@@ -6,6 +6,8 @@
 
 #include <cstdlib>
 
+#include "engine/kernels/cpu_features.h"
+
 namespace llava {
 namespace {
 
@@ -34,6 +36,22 @@ TEST(ConfigureMalloc, TheEnvironmentWins) {
   const std::string said = ConfigureMalloc(MallocSettings{});
   unsetenv("MALLOC_ARENA_MAX");
   EXPECT_NE(said.find("MALLOC_ARENA_MAX=3"), std::string::npos) << said;
+}
+
+TEST(AutoThreadCount, OneForASmallModelOnePerCoreOtherwise) {
+  std::string why;
+  // The default model (5.12 M parameters) and the largest that counts as small: one thread.
+  EXPECT_EQ(AutoThreadCount(0, 5'120'000, 16, &why), 1);
+  EXPECT_NE(why.find("5120000 parameters"), std::string::npos) << why;
+  EXPECT_EQ(AutoThreadCount(0, kAutoF32MaxParameters, 16), 1);
+  // Larger or unknown (-1: the folder's headers could not be read): every core.
+  EXPECT_EQ(AutoThreadCount(0, kAutoF32MaxParameters + 1, 16, &why), 16);
+  EXPECT_NE(why.find("one per core"), std::string::npos) << why;
+  EXPECT_EQ(AutoThreadCount(0, -1, 2), 2);
+  EXPECT_EQ(AutoThreadCount(-3, 7'063'427'072, 0), 1);  // no core count known: still one
+  // A count asked for wins, whatever the model.
+  EXPECT_EQ(AutoThreadCount(3, 5'120'000, 16, &why), 3);
+  EXPECT_NE(why.find("forced"), std::string::npos) << why;
 }
 
 }  // namespace

@@ -54,18 +54,22 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "bf16", "f32"}))
       ->capture_default_str();
   app.add_option("--device", device, "cpu | cuda[:i]")->capture_default_str();
-  app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
+  app.add_option("--threads", threads,
+                 "intra-op threads (0 = auto: 1 for a model of at most 16 Mi parameters, else one "
+                 "per core)");
   app.add_flag("--stats", show_stats, "print token counts and timings to stderr");
   CLI11_PARSE(app, argc, argv);
-  llava::InitTorchThreads(threads);
+  std::string threads_why;
+  llava::InitTorchThreads(llava::ResolveModelThreads(threads, model_dir, &threads_why));
 
   llava::ModelOptions options;
   options.device = device;
   std::string dtype_why;
   llava::ResolveModelDType(dtype, model_dir, &options, &dtype_why);
   if (show_stats) {
-    std::fprintf(stderr, "cpu kernels: %s; weights: %s\n",
-                 llava::CpuPathName(llava::ActiveCpuPath()), dtype_why.c_str());
+    std::fprintf(stderr, "cpu kernels: %s; weights: %s; threads: %s\n",
+                 llava::CpuPathName(llava::ActiveCpuPath()), dtype_why.c_str(),
+                 threads_why.c_str());
   }
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {

@@ -9,6 +9,8 @@
 #include <malloc.h>
 #endif
 
+#include "engine/kernels/cpu_features.h"
+
 namespace llava {
 
 int InitTorchThreads(int threads) {
@@ -25,6 +27,23 @@ int InitTorchThreads(int threads) {
     set(1);
   }
   return at::get_num_threads();
+}
+
+int AutoThreadCount(int requested, int64_t parameters, int cores, std::string* why) {
+  std::string reason;
+  int n = 0;
+  if (requested > 0) {
+    n = requested;
+    reason = "forced by --threads";
+  } else if (parameters >= 0 && parameters <= kAutoF32MaxParameters) {
+    n = 1;
+    reason = "auto: " + std::to_string(parameters) + " parameters, too few to split over cores";
+  } else {
+    n = std::max(1, cores);
+    reason = "auto: one per core";
+  }
+  if (why != nullptr) *why = std::to_string(n) + " (" + reason + ")";
+  return n;
 }
 
 std::string ConfigureMalloc(const MallocSettings& settings) {

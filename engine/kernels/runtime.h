@@ -12,6 +12,14 @@ namespace llava {
 // (PanelLinear in llava_model.h), and OpenBLAS's own threads would compete with them.
 int InitTorchThreads(int threads);
 
+// The intra-op thread count that `--threads 0` (auto) means for a model of `parameters`
+// parameters (-1: unknown) on a machine of `cores` cores: one for a model of at most
+// kAutoF32MaxParameters (cpu_features.h), whose products are too short to split over cores
+// (the default model's first token: 39-47 ms on one thread, 56-95 ms on two, AMD EPYC AVX2;
+// docs/BENCHMARKS.md), else one per core. `requested` > 0 is returned as it is. `why`, when
+// not null, says which and why.
+int AutoThreadCount(int requested, int64_t parameters, int cores, std::string* why = nullptr);
+
 // glibc malloc settings for a process that serves for days (docs/BENCHMARKS.md, "Soak" and
 // "Elastic prefill overhead"). glibc's defaults cost a server twice:
 // - one arena per thread (up to 8 per core): each of gRPC's and httplib's threads fragments

@@ -2,8 +2,10 @@
 
 #include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "engine/kernels/cpu_features.h"
+#include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
 #include "engine/serving/decode_state.h"
@@ -70,6 +72,16 @@ bool ResolveModelDType(const std::string& name, const std::string& dir, ModelOpt
     if (counted.ok()) parameters = *counted;
   }
   return ResolveDType(name, options->device, ActiveCpuPath(), parameters, &options->dtype, why);
+}
+
+int ResolveModelThreads(int requested, const std::string& dir, std::string* why) {
+  int64_t parameters = -1;
+  if (requested <= 0) {
+    auto counted = CheckpointParameterCount(dir);
+    if (counted.ok()) parameters = *counted;
+  }
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return AutoThreadCount(requested, parameters, cores, why);
 }
 
 double AnswerScore::Perplexity() const { return tokens > 0 ? std::exp(nll_sum / tokens) : 0.0; }

@@ -53,6 +53,9 @@ StatusOr<std::unique_ptr<LoadedModel>> LoadModel(const std::string& dir,
 // headers cannot be read: LoadModel then says why). False for an unknown name.
 bool ResolveModelDType(const std::string& name, const std::string& dir, ModelOptions* options,
                        std::string* why);
+// The intra-op thread count for --threads `requested` (0: auto) and the folder `dir`: the
+// folder's parameter count and this machine's cores through AutoThreadCount (runtime.h).
+int ResolveModelThreads(int requested, const std::string& dir, std::string* why);
 
 // Returns false to cancel generation.
 using TextCallback = std::function<bool(const std::string& delta)>;
