@@ -234,19 +234,21 @@ __attribute__((target("avx2,fma"))) inline void TileAvx2(const float* xf, const 
   }
 }
 
-// R weight rows per tile: 8 for one x row (decode at batch 1 is bound by streaming them), fewer
-// as rows are added so that the R * M accumulators, R weight vectors and one x vector fit the 16
-// ymm registers. More than 4 rows of x run as two groups (4 and M - 4) over the same R weight
-// rows, which the second group reads from L2: one tile of 8 x 1 would cost 9 loads per 8 FMAs,
-// two of 4 x 3 cost 7 per 12 (docs/BENCHMARKS.md, "Batch 8, second attempt"). With two groups
-// the memory would stream only during the first (it read at the machine's full bandwidth while
-// the second ran from L2), so both groups instead prefetch the next tile's rows (contiguous in
-// w), half each, spread over their columns: every tile after a thread's first finds its weights
-// in L2 and both groups run at the FMAs' pace (docs/BENCHMARKS.md, "Two groups, one stream").
+// R weight rows per tile: for one x row 4 of bf16 (decode at batch 1 is bound by streaming them,
+// and on an AVX2-only EPYC four streams a thread read 6-26% faster than eight: docs/BENCHMARKS.md,
+// "Four weight rows at batch 1") and 8 of fp32; fewer as x rows are added so that the R * M
+// accumulators, R weight vectors and one x vector fit the 16 ymm registers. More than 4 rows of x
+// run as two groups (4 and M - 4) over the same R weight rows, which the second group reads from
+// L2: one tile of 8 x 1 would cost 9 loads per 8 FMAs, two of 4 x 3 cost 7 per 12
+// (docs/BENCHMARKS.md, "Batch 8, second attempt"). With two groups the memory would stream only
+// during the first (it read at the machine's full bandwidth while the second ran from L2), so both
+// groups instead prefetch the next tile's rows (contiguous in w), half each, spread over their
+// columns: every tile after a thread's first finds its weights in L2 and both groups run at the
+// FMAs' pace (docs/BENCHMARKS.md, "Two groups, one stream").
 template <int M, typename T>
 void SkinnyAvx2(const float* xf, const T* w, const T* bias, T* y, int64_t n, int64_t k) {
   constexpr int kFirst = M > 4 ? 4 : M, kSecond = M - kFirst;
-  constexpr int R = M == 1 ? 8 : M == 2 ? 6 : M == 3 ? 4 : 3;
+  constexpr int R = M == 1 ? (std::is_same_v<T, uint16_t> ? 4 : 8) : M == 2 ? 6 : M == 3 ? 4 : 3;
   const int64_t blocks = (n + R - 1) / R;
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     const int64_t n1 = std::min(n, b1 * R);
