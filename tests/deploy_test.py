@@ -108,6 +108,9 @@ def render(overlay):
     return docs
 
 
+GPU_WEIGHT_BYTES = {"llava-1.5-7b-hf": 7_063_427_072 * 2}
+
+
 def check_overlay(overlay, docs):
     config = next(c for c in docs["ConfigMap"] if c["metadata"]["name"] == "llava-server")["data"]
     for key, value in config.items():
@@ -212,7 +215,11 @@ for overlay, docs in rendered.items():
         check(gpus == 1 and int(res["requests"].get("nvidia.com/gpu", 0)) == 1,
               f"{overlay}: LLAVA_DEVICE={config['LLAVA_DEVICE']} without nvidia.com/gpu: 1")
         check("cuda" in image, f"{overlay}: runs on CUDA with the CPU image {image}")
-        weights_gib = 14.1e9 / 2**30 if "7b" in config.get("LLAVA_MODEL", "") else 0.0
+        # bf16 weight bytes of the checkpoints a GPU overlay may name (deploy/README.md,
+        # "Sizing memory and CPU"); another folder must be added here with its size.
+        model = config.get("LLAVA_MODEL", "").rstrip("/").rsplit("/", 1)[-1]
+        check(model in GPU_WEIGHT_BYTES, f"{overlay}: no weight size known for {model}")
+        weights_gib = GPU_WEIGHT_BYTES.get(model, 0) / 2**30
         terms = (pod_spec.get("affinity", {}).get("nodeAffinity", {})
                  .get("requiredDuringSchedulingIgnoredDuringExecution", {})
                  .get("nodeSelectorTerms", []))
