@@ -84,11 +84,29 @@ TEST(CpuFeatures, AutoDTypeFollowsTheDeviceThePathAndTheModelSize) {
 const std::vector<std::pair<int64_t, int64_t>> kGemvShapes = {{37, 64},  {4099, 96}, {64, 4096},
                                                               {40, 688}, {5, 7},     {19, 100}};
 
+// Every row count a single kernel instance handles, then counts that run in passes (9 = 4 + 5,
+// 17 = 5 + 6 + 6, 64 = 8 x 8).
+std::vector<int64_t> GemvRowCounts() {
+  std::vector<int64_t> out;
+  for (int64_t m = 1; m <= kGemvMaxRows; ++m) out.push_back(m);
+  for (int64_t m : {9, 13, 16, 17, 32, 64}) out.push_back(m);
+  return out;
+}
+
+TEST(GemvMaxRows, PassesWhereTheKernelWidensAndEightWhereABetterProductTakesOver) {
+  for (CpuPath p : RunnablePaths()) {
+    const bool widening = p == CpuPath::kAvx2 || p == CpuPath::kAvx512;
+    EXPECT_EQ(GemvMaxRows(true, p), widening ? kStreamedMaxRows : kGemvMaxRows) << CpuPathName(p);
+    EXPECT_EQ(GemvMaxRows(false, p), p == CpuPath::kGeneric ? kGemvMaxRows : kStreamedMaxRows)
+        << CpuPathName(p);
+  }
+}
+
 TEST(Bf16Gemv, MatchesFp32ReferenceForEveryRowCountOnEveryPath) {
   InitTorchThreads(2);
   at::manual_seed(0);
   for (CpuPath path : RunnablePaths()) {
-    for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
+    for (int64_t m : GemvRowCounts()) {
       for (auto [n, k] : kGemvShapes) {
         at::Tensor x = at::randn({m, k}).to(at::kBFloat16);
         at::Tensor w = (at::randn({n, k}) * 0.1).to(at::kBFloat16);
@@ -117,7 +135,7 @@ TEST(F32Gemv, MatchesATenForEveryRowCountOnEveryPath) {
   InitTorchThreads(2);
   at::manual_seed(1);
   for (CpuPath path : RunnablePaths()) {
-    for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
+    for (int64_t m : GemvRowCounts()) {
       for (auto [n, k] : kGemvShapes) {
         at::Tensor x = at::randn({m, k}), w = at::randn({n, k}) * 0.1, b = at::randn({n});
         for (bool with_bias : {false, true}) {

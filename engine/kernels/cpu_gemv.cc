@@ -308,10 +308,33 @@ void GemvGeneric(const float* xf, const T* w, const T* bias, T* y, int64_t m, in
   });
 }
 
+// Rows [i0, i0 + rows) of every pass of `m` rows split as evenly as possible into passes of at
+// most kGemvMaxRows: fn(i0, rows) for each pass in order.
+template <typename Fn>
+void ForPasses(int64_t m, Fn&& fn) {
+  const int64_t passes = (m + kGemvMaxRows - 1) / kGemvMaxRows;
+  for (int64_t p = 0, i0 = 0; p < passes; ++p) {
+    const int64_t rows = (m - i0) / (passes - p);  // the later passes take the remainder
+    fn(i0, rows);
+    i0 += rows;
+  }
+}
+
 }  // namespace
+
+int GemvMaxRows(bool bf16, CpuPath path) {
+  path = ClampCpuPath(path, DetectedCpuPath());
+  if (path == CpuPath::kGeneric || (bf16 && path == CpuPath::kAvx512Bf16)) return kGemvMaxRows;
+  return kStreamedMaxRows;
+}
 
 void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t m,
               int64_t n, int64_t k, CpuPath path) {
+  if (m > kGemvMaxRows) {
+    return ForPasses(m, [&](int64_t i0, int64_t rows) {
+      Bf16Gemv(x + i0 * k, w, bias, y + i0 * n, rows, n, k, path);
+    });
+  }
   path = ClampCpuPath(path, DetectedCpuPath());
   if (path == CpuPath::kGeneric) return GemvGeneric(WidenToFloat(x, m * k), w, bias, y, m, n, k);
   if (path != CpuPath::kAvx512Bf16) return Bf16GemvAvx2(x, w, bias, y, m, n, k);
@@ -320,6 +343,11 @@ void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16
 
 void F32Gemv(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
              int64_t k, CpuPath path) {
+  if (m > kGemvMaxRows) {
+    return ForPasses(m, [&](int64_t i0, int64_t rows) {
+      F32Gemv(x + i0 * k, w, bias, y + i0 * n, rows, n, k, path);
+    });
+  }
   path = ClampCpuPath(path, DetectedCpuPath());
   if (path == CpuPath::kGeneric) return GemvGeneric(x, w, bias, y, m, n, k);
   ForRows(m, [&](auto rows) { SkinnyAvx2<rows.value>(x, w, bias, y, n, k); });

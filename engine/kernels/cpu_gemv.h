@@ -17,6 +17,19 @@ namespace llava {
 
 constexpr int kGemvMaxRows = 8;
 
+// More rows than kGemvMaxRows run as passes of at most kGemvMaxRows rows each (as even as
+// possible: 9 rows are 5 + 4), each pass streaming the weights again. Worth it up to this many
+// rows on the paths that widen bf16 in registers, where the alternative (PanelLinear) widens a
+// panel of weights to fp32 in memory and OpenBLAS then packs it again (docs/BENCHMARKS.md,
+// "Batches of 9-64 rows").
+constexpr int kStreamedMaxRows = 64;
+
+// The most rows of x that Linear sends to Bf16Gemv (bf16 = true) or F32Gemv on `path`: up to
+// kStreamedMaxRows on the AVX2 and AVX-512 paths (and for fp32 on AVX512-BF16, which runs the
+// AVX2 kernel), kGemvMaxRows where a better product takes over (oneDNN's bf16 GEMM on
+// AVX512-BF16) or the kernel is plain C++ (generic).
+int GemvMaxRows(bool bf16, CpuPath path = ActiveCpuPath());
+
 // The float a bf16 bit pattern stands for (exact).
 inline float Bf16ToFloat(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -34,9 +47,9 @@ inline uint16_t FloatToBf16(float f) {
 }
 
 // y [m, n] = x [m, k] . w [n, k]^T (+ bias [n]); bf16 in and out (uint16_t bit patterns),
-// fp32 accumulation, round-to-nearest-even. Requires 1 <= m <= kGemvMaxRows, k >= 1 and
-// row-major contiguous operands; `bias` may be null. Runs on libtorch's intra-op threads.
-// `path` picks the kernel (clamped to what the CPU runs): avx512bf16 multiplies bf16 pairs
+// fp32 accumulation, round-to-nearest-even. Requires m >= 1 (more than kGemvMaxRows in passes),
+// k >= 1 and row-major contiguous operands; `bias` may be null. Runs on libtorch's intra-op
+// threads. `path` picks the kernel (clamped to what the CPU runs): avx512bf16 multiplies bf16 pairs
 // with vdpbf16ps (a k % 32 tail masked); avx512 and avx2 widen each weight vector to fp32 and
 // use AVX2 FMAs (the AVX-512 machines without BF16 run it too); generic is plain C++.
 void Bf16Gemv(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t m,

@@ -118,7 +118,7 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
                    (!bias.defined() || bias.scalar_type() == at::kFloat);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = weight.size(0);
-  if (bf16 && rows <= kGemvMaxRows) {
+  if (bf16 && rows <= GemvMaxRows(/*bf16=*/true)) {
     at::Tensor xc = x.contiguous();
     at::Tensor y = at::empty(shape, x.options());
     Bf16Gemv(static_cast<const uint16_t*>(xc.data_ptr()),
@@ -127,7 +127,7 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
              static_cast<uint16_t*>(y.data_ptr()), rows, weight.size(0), k);
     return y;
   }
-  if (f32 && rows <= kGemvMaxRows) {
+  if (f32 && rows <= GemvMaxRows(/*bf16=*/false)) {
     at::Tensor xc = x.contiguous();
     at::Tensor y = at::empty(shape, x.options());
     F32Gemv(xc.data_ptr<float>(), weight.data_ptr<float>(),

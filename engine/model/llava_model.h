@@ -28,10 +28,10 @@ class WeightSource;
 struct Linear {
   at::Tensor weight;  // [out, in]
   at::Tensor bias;    // [out] or undefined
-  // x [.., in] -> [.., out]. On the CPU outside autograd: bf16 rows up to kGemvMaxRows take
-  // our weight-streaming kernel (cpu_gemv.h) on every CPU path; more bf16 rows take oneDNN's
-  // bf16 GEMM on AVX512-BF16 and PanelLinear on the other paths; fp32 rows up to kGemvMaxRows
-  // take the same kernel in fp32 (F32Gemv), more take PanelLinear.
+  // x [.., in] -> [.., out]. On the CPU outside autograd: up to GemvMaxRows() rows (8 on
+  // AVX512-BF16 for bf16 and on generic, 64 on the other paths: cpu_gemv.h) take our
+  // weight-streaming kernel in bf16 (Bf16Gemv) or fp32 (F32Gemv); more bf16 rows take oneDNN's
+  // bf16 GEMM on AVX512-BF16, and everything else PanelLinear.
   // Everything else (the trainer's autograd, CUDA) takes at::linear.
   at::Tensor operator()(const at::Tensor& x) const;
 };
