@@ -351,7 +351,8 @@ int main(int argc, char** argv) {
   // The bound port on its own line, for scripts and tests that listen on port 0.
   spdlog::info(
       "serving on port {} (model {}, default policy {} budget {:.2f}, KV budget {:.2f} GiB)",
-      bound_port, model_dir, policy, budget, kv_gib);
+      bound_port, model_dir, policy, budget,
+      static_cast<double>(eo.kv_cache_bytes) / static_cast<double>(1 << 30));
 
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
