@@ -3,12 +3,13 @@
 # running-requests gauge, prints the load summary and the largest running batch seen.
 # MODEL (default: the shipped default model; /tmp/bench-model is what
 # `build/llava-make-tiny --preset bench` writes). Load flags may quote: "--prompt 'Two words'".
+# SERVER picks the server binary (default build/llava-server), e.g. an older build for an A/B.
 # PERF=1 also records the server with `perf record -g` into /tmp/sb-NAME.perf.data.
 # usage: serve_bench.sh NAME "server flags" "load flags"
 set -u
 name=$1; sflags=$2; lflags=$3
 cd "$(dirname "$0")/.."
-./build/llava-server --model "${MODEL:-models/shapes-llava}" --listen 127.0.0.1:50090 --metrics-listen 127.0.0.1:9290 --http-listen off $sflags > /tmp/sb-$name.log 2>&1 &
+"${SERVER:-./build/llava-server}" --model "${MODEL:-models/shapes-llava}" --listen 127.0.0.1:50090 --metrics-listen 127.0.0.1:9290 --http-listen off $sflags > /tmp/sb-$name.log 2>&1 &
 spid=$!
 for i in $(seq 1 100); do grep -q "serving on port" /tmp/sb-$name.log && break; sleep 0.2; done
 ( maxr=0; while kill -0 $spid 2>/dev/null; do r=$(curl -s 127.0.0.1:9290/metrics | awk '/^llava_num_requests_running /{print $2}'); r=${r%.*}; [ -n "$r" ] && [ "$r" -gt "$maxr" ] && maxr=$r && echo $maxr > /tmp/sb-$name.maxrun; sleep 0.2; done ) &
