@@ -196,7 +196,8 @@ LLAVA_CUDA_ATTENTION=kernel LLAVA_TEST_DEVICE=$device step tests-kernel 300 test
 bench() {
   local name=$1 limit=$2 before
   shift 2
-  before=$(wc -l < "$out/bench.log" 2> /dev/null || echo 0)
+  before=0
+  if [ -f "$out/bench.log" ]; then before=$(wc -l < "$out/bench.log"); fi
   if step "$name" "$limit" bench.log "$build/llava-bench" --device "$device" "$@"; then
     tail -n +"$((before + 1))" "$out/bench.log" | grep -E '^(layers|suite)=' | tail -n 1 |
       sed "s/^/$name /" >> "$out/summary.txt"
