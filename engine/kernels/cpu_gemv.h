@@ -18,7 +18,7 @@ namespace llava {
 constexpr int kGemvMaxRows = 8;
 
 // More rows than kGemvMaxRows run as passes of at most kGemvMaxRows rows each (as even as
-// possible: 9 rows are 5 + 4), each pass streaming the weights again. Worth it up to this many
+// possible: 9 rows are 4 + 5), each pass streaming the weights again. Worth it up to this many
 // rows on the paths that widen bf16 in registers, where the alternative (PanelLinear) widens a
 // panel of weights to fp32 in memory and OpenBLAS then packs it again (docs/BENCHMARKS.md,
 // "Batches of 9-64 rows").
