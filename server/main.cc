@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   int http_threads = 0;
   std::string dtype = "auto", device = "cpu", policy = "elastic";
   double budget = 0.5, kv_gib = 4.0, grace_s = 30;
-  int threads = 0, max_batch = 8, max_queue = 64, default_max_tokens = 256, prefill_chunk = 256;
+  int threads = 0, max_batch = 0, max_queue = 64, default_max_tokens = 256, prefill_chunk = 256;
   int max_tokens_limit = 2048, max_images = 4, max_messages = 64, max_prompt_tokens = 0;
   int64_t max_image_bytes = 20 << 20, max_image_pixels = 40'000'000;
   auto env = [](const char* name) { return std::string("LLAVA_") + name; };
@@ -136,11 +136,15 @@ int main(int argc, char** argv) {
       ->envname(env("KV_CACHE_BYTES"))
       ->check(CLI::PositiveNumber)
       ->excludes(gib_opt);
-  app.add_option("--max-batch", max_batch, "running requests at most")
+  app.add_option("--max-batch", max_batch,
+                 "running requests at most (0 = auto: 32 on a GPU and for bf16 on avx512bf16, "
+                 "else 8; the KV budget may admit fewer)")
       ->envname(env("MAX_BATCH"))
+      ->check(CLI::Range(0, 4096))
       ->capture_default_str();
   app.add_option("--max-queue", max_queue, "waiting requests at most (then RESOURCE_EXHAUSTED)")
       ->envname(env("MAX_QUEUE"))
+      ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--prefill-chunk", prefill_chunk,
                  "prompt rows fed per engine turn over all requests still prefilling, so a long "
@@ -227,11 +231,14 @@ int main(int argc, char** argv) {
   std::string dtype_why;
   llava::ResolveModelDType(dtype, model_dir, &options, &dtype_why);
   dtype = options.dtype == llava::DType::kF32 ? "f32" : "bf16";
+  std::string batch_why;
+  max_batch = llava::AutoMaxBatch(max_batch, device.rfind("cuda", 0) == 0, llava::ActiveCpuPath(),
+                                  options.dtype, &batch_why);
   spdlog::info("cpu kernels: {} (this CPU: {}); weights: {}",
                llava::CpuPathName(llava::ActiveCpuPath()),
                llava::CpuPathName(llava::DetectedCpuPath()), dtype_why);
-  spdlog::info("loading {} ({}, {}, threads {}); {}", model_dir, dtype, device, threads_why,
-               malloc_said);
+  spdlog::info("loading {} ({}, {}, threads {}, max batch {}); {}", model_dir, dtype, device,
+               threads_why, batch_why, malloc_said);
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {
     spdlog::error("{}", loaded.status().ToString());

@@ -54,5 +54,23 @@ TEST(AutoThreadCount, OneForASmallModelOnePerCoreOtherwise) {
   EXPECT_NE(why.find("forced"), std::string::npos) << why;
 }
 
+TEST(AutoMaxBatch, WideWhereProductsGainFromRowsNarrowWhereTheyDoNot) {
+  std::string why;
+  EXPECT_EQ(AutoMaxBatch(0, false, CpuPath::kAvx512Bf16, DType::kBF16, &why), kAutoMaxBatchWide);
+  EXPECT_NE(why.find("avx512bf16"), std::string::npos) << why;
+  EXPECT_EQ(AutoMaxBatch(0, true, CpuPath::kGeneric, DType::kBF16), kAutoMaxBatchWide);
+  // fp32 weights, or a path that widens bf16 in registers: the FMAs are the limit from 8 rows.
+  EXPECT_EQ(AutoMaxBatch(0, false, CpuPath::kAvx512Bf16, DType::kF32, &why), kAutoMaxBatchNarrow);
+  EXPECT_NE(why.find("f32"), std::string::npos) << why;
+  EXPECT_EQ(AutoMaxBatch(0, false, CpuPath::kAvx2, DType::kBF16, &why), kAutoMaxBatchNarrow);
+  EXPECT_NE(why.find("avx2"), std::string::npos) << why;
+  EXPECT_EQ(AutoMaxBatch(0, false, CpuPath::kAvx512, DType::kBF16), kAutoMaxBatchNarrow);
+  EXPECT_EQ(AutoMaxBatch(0, false, CpuPath::kGeneric, DType::kF32), kAutoMaxBatchNarrow);
+  EXPECT_LT(kAutoMaxBatchNarrow, kAutoMaxBatchWide);
+  // A cap asked for wins.
+  EXPECT_EQ(AutoMaxBatch(3, true, CpuPath::kAvx512Bf16, DType::kBF16, &why), 3);
+  EXPECT_NE(why.find("forced"), std::string::npos) << why;
+}
+
 }  // namespace
 }  // namespace llava

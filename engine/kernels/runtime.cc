@@ -46,6 +46,28 @@ int AutoThreadCount(int requested, int64_t parameters, int cores, std::string* w
   return n;
 }
 
+int AutoMaxBatch(int requested, bool gpu, CpuPath path, DType dtype, std::string* why) {
+  std::string reason;
+  int n = 0;
+  if (requested > 0) {
+    n = requested;
+    reason = "forced by --max-batch";
+  } else if (gpu) {
+    n = kAutoMaxBatchWide;
+    reason = "auto: a GPU";
+  } else if (path >= CpuPath::kAvx512Bf16 && dtype == DType::kBF16) {
+    n = kAutoMaxBatchWide;
+    reason = "auto: bf16 products on avx512bf16 gain from more rows";
+  } else {
+    n = kAutoMaxBatchNarrow;
+    reason = std::string("auto: on ") + CpuPathName(path) + " with " +
+             (dtype == DType::kBF16 ? "bf16" : "f32") +
+             " weights more than 8 rows only lengthen each step";
+  }
+  if (why != nullptr) *why = std::to_string(n) + " (" + reason + ")";
+  return n;
+}
+
 std::string ConfigureMalloc(const MallocSettings& settings) {
 #if defined(__GLIBC__)
   std::string said;

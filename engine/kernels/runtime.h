@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "engine/kernels/cpu_features.h"  // CpuPath, DType
+
 namespace llava {
 
 // Sets libtorch's intra-op thread count (Debian's libtorch starts with 1 on these machines).
@@ -19,6 +21,19 @@ int InitTorchThreads(int threads);
 // docs/BENCHMARKS.md), else one per core. `requested` > 0 is returned as it is. `why`, when
 // not null, says which and why.
 int AutoThreadCount(int requested, int64_t parameters, int cores, std::string* why = nullptr);
+
+// The running-request cap that `--max-batch 0` (auto) means: kAutoMaxBatchWide on a GPU and
+// for bf16 weights on the AVX512-BF16 path, whose products gain from more rows (7B shapes, two
+// cores: 116 tokens/s at 8 rows, 176 at 32; served with Elastic 0.2 and KV for 8 Full requests,
+// a cap of 32 ran 1.45x the tokens/s of a cap of 8 at a quarter of the TTFT);
+// kAutoMaxBatchNarrow elsewhere, where two cores' FMAs are saturated from 8 rows on (AVX2 path:
+// 81 tokens/s at 8 rows, 73 at 32), so a larger batch only lengthens every step (the same
+// serving run: 0.94x the tokens/s, 4x the inter-token latency). docs/BENCHMARKS.md, "a default
+// batch per path". The KV byte budget may still admit fewer. `requested` > 0 is returned as it
+// is; `why`, when not null, says which and why.
+inline constexpr int kAutoMaxBatchWide = 32;
+inline constexpr int kAutoMaxBatchNarrow = 8;
+int AutoMaxBatch(int requested, bool gpu, CpuPath path, DType dtype, std::string* why = nullptr);
 
 // glibc malloc settings for a process that serves for days (docs/BENCHMARKS.md, "Soak" and
 // "Elastic prefill overhead"). glibc's defaults cost a server twice:
