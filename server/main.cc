@@ -137,8 +137,10 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->excludes(gib_opt);
   app.add_option("--max-batch", max_batch,
-                 "running requests at most (0 = auto: 32 on a GPU and for bf16 on avx512bf16, "
-                 "else 8; the KV budget may admit fewer)")
+                 "running requests at most (0 = auto: " + std::to_string(llava::kAutoMaxBatchWide) +
+                     " on a GPU and for bf16 on avx512bf16, else " +
+                     std::to_string(llava::kAutoMaxBatchNarrow) +
+                     "; the KV budget may admit fewer)")
       ->envname(env("MAX_BATCH"))
       ->check(CLI::Range(0, 4096))
       ->capture_default_str();

@@ -61,8 +61,8 @@ int AutoMaxBatch(int requested, bool gpu, CpuPath path, DType dtype, std::string
   } else {
     n = kAutoMaxBatchNarrow;
     reason = std::string("auto: on ") + CpuPathName(path) + " with " +
-             (dtype == DType::kBF16 ? "bf16" : "f32") +
-             " weights more than 8 rows only lengthen each step";
+             (dtype == DType::kBF16 ? "bf16" : "f32") + " weights more than " +
+             std::to_string(kAutoMaxBatchNarrow) + " rows only lengthen each step";
   }
   if (why != nullptr) *why = std::to_string(n) + " (" + reason + ")";
   return n;
