@@ -335,6 +335,7 @@ grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerCon
   info.set_max_tokens_limit(config_.max_tokens_limit);
   info.set_dtype(m.dtype);
   info.set_cpu_path(m.cpu_path);
+  info.set_max_batch(config_.max_batch);
   Serialize(info, response);
   reactor->Finish(grpc::Status::OK);
   return reactor;

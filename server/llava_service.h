@@ -26,6 +26,7 @@ struct ServiceConfig {
   RequestDefaults defaults;
   ModelFacts model;
   int max_tokens_limit = 4096;
+  int max_batch = 0;  // the engine's, after --max-batch auto
   int64_t kv_cache_bytes = 0;
 };
 

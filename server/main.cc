@@ -276,6 +276,7 @@ int main(int argc, char** argv) {
   sc.model = FactsOf(**loaded, model_dir, dtype);
   sc.max_tokens_limit = max_tokens_limit;
   sc.kv_cache_bytes = eo.kv_cache_bytes;
+  sc.max_batch = eo.max_batch;
   sc.defaults.max_tokens = default_max_tokens;
   sc.defaults.kv = *parsed_policy;
   llava::server::ServingMetrics metrics;

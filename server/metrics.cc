@@ -67,6 +67,8 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
                              "KV bytes reserved by admission for the running requests.");
   kv_budget_bytes_ = gauge("llava_kv_cache_budget_bytes", "The KV byte budget for admission.");
   batch_size_ = gauge("llava_batch_size", "Sequences in the last decode step.");
+  max_batch_ = gauge("llava_max_batch",
+                     "The most sequences one decode step runs (--max-batch, auto resolved).");
   compression_ratio_ =
       &BuildHistogram()
            .Name("llava_kv_compression_ratio")
@@ -206,6 +208,7 @@ void ServingMetrics::UpdateFromEngine(const EngineSnapshot& s) {
   kv_budget_bytes_->Set(static_cast<double>(s.kv_budget_bytes));
   kv_usage_ratio_->Set(s.kv_budget_bytes > 0 ? double(s.kv_bytes_reserved) / s.kv_budget_bytes : 0);
   batch_size_->Set(s.last_batch_size);
+  max_batch_->Set(s.max_batch);
 }
 
 std::string ServingMetrics::Serialize() const {

@@ -58,6 +58,7 @@ class ServingMetrics {
   prometheus::Gauge* kv_reserved_bytes_;
   prometheus::Gauge* kv_budget_bytes_;
   prometheus::Gauge* batch_size_;
+  prometheus::Gauge* max_batch_;
   // By policy ("full", "elastic", "h2o", "streaming_llm"):
   prometheus::Family<prometheus::Histogram>* compression_ratio_;
   prometheus::Family<prometheus::Counter>* merged_;

@@ -136,6 +136,8 @@ TEST_F(ServerTest, ModelInfo) {
   EXPECT_EQ(info.model_path(), "tiny-new") << "the folder's name, not the server's path";
   // The server runs under this process's environment (LLAVA_CPU_PATH included).
   EXPECT_EQ(info.cpu_path(), CpuPathName(ActiveCpuPath()));
+  // No --max-batch: auto, which is 8 for fp32 weights on every CPU path (README).
+  EXPECT_EQ(info.max_batch(), 8);
   EXPECT_EQ(info.kv_bytes_per_token(), loaded_->model().kv_layout().num_layers *
                                            loaded_->model().kv_layout().bytes_per_entry());
 }
@@ -369,6 +371,7 @@ TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
                              "llava_request_success_total{finish_reason=",
                              "llava_request_status_total{api=",
                              "llava_batch_size",
+                             "llava_max_batch",
                              "llava_http_connections",
                              "llava_http_connections_closed_total{reason=\"cap\"}"}) {
     EXPECT_NE(http.find(series), std::string::npos) << series;
@@ -378,6 +381,7 @@ TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
   EXPECT_EQ(SeriesValue(http, "llava_kv_compression_ratio_count{policy=\"h2o\"}"), 0);
   EXPECT_GT(SeriesValue(http, "process_resident_memory_bytes"), 50e6);  // libtorch loaded
   EXPECT_GE(SeriesValue(http, "process_open_fds"), 3);
+  EXPECT_EQ(SeriesValue(http, "llava_max_batch"), 8) << "--max-batch auto, fp32 weights";
   EXPECT_EQ(server_->HttpGet("/healthz").rfind("HTTP/1.1 200 OK", 0), 0u);
   EXPECT_EQ(server_->HttpGet("/nope").rfind("HTTP/1.1 404", 0), 0u);
   // promtool (Debian's prometheus package) validates the exposition format.

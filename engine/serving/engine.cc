@@ -53,6 +53,7 @@ Engine::Engine(const ModelRunner& model, const EngineOptions& options)
         return c;
       }()) {
   snapshot_.kv_budget_bytes = options.kv_cache_bytes;
+  snapshot_.max_batch = options.max_batch;
   thread_ = std::thread([this] { Loop(); });
 }
 

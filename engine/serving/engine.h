@@ -65,6 +65,7 @@ struct EngineSnapshot {
   int64_t kv_bytes_reserved = 0;         // admission reservations
   int64_t kv_budget_bytes = 0;
   int last_batch_size = 0;
+  int max_batch = 0;  // EngineOptions::max_batch: the most sequences one decode step runs
 };
 
 // What the network layer needs from an engine; lets the gRPC layer be tested against a
