@@ -24,6 +24,7 @@
 #include "engine/kernels/decode_attention.h"
 #include "engine/kernels/runtime.h"
 #include "engine/kv/kv_cache.h"
+#include "engine/kv/kv_pool.h"
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
 
@@ -56,6 +57,24 @@ double MeasureReadBandwidth(const at::Tensor& buf, int runs = 7) {
     best = std::max(best, bytes / Seconds(t0));
   }
   return best;
+}
+
+// A KV pool for `sequences` caches of up to `entries` entries each (plus a decode step's spare),
+// as the server's engine holds one: the benchmarks measure the paged caches it serves from.
+std::unique_ptr<llava::KvPool> PoolFor(const llava::LlavaModel& model, int64_t sequences,
+                                       int64_t entries) {
+  const llava::KvLayout l = model.kv_layout();
+  const int64_t pages = sequences * ((entries + llava::kKvPageRows) / llava::kKvPageRows);
+  return std::make_unique<llava::KvPool>(
+      l, pages * llava::kKvPageRows * l.num_layers * l.bytes_per_entry());
+}
+
+// One forward pass over `chunks`, each cache's pages for it reserved first.
+at::Tensor Feed(const llava::LlavaModel& model, const std::vector<llava::SequenceChunk>& chunks) {
+  for (const llava::SequenceChunk& c : chunks) {
+    TORCH_CHECK(c.cache->Reserve(c.embeds.size(0)), "benchmark KV pool too small");
+  }
+  return model.Forward(chunks);
 }
 
 // LLaVA-1.5-7B's decoder layers and vocabulary; the vision tower is not measured here.
@@ -121,10 +140,11 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
     base.budget = gamma;
     variants.emplace_back(spec, *llava::ParseCacheSpec(spec, base));
   }
+  const auto prompt_pool = PoolFor(model, 1, prompt);
   auto time_prefill = [&](const llava::CacheParams& p, const at::Tensor& emb) {
-    auto cache = llava::NewKvCache(model.kv_layout(), p, layout(emb.size(0)));
+    auto cache = llava::NewKvCache(prompt_pool.get(), p, layout(emb.size(0)));
     const auto t0 = Clock::now();
-    Sync(model.Forward({{emb, 0, cache.get(), false}}));
+    Sync(Feed(model, {{emb, 0, cache.get(), false}}));
     return Seconds(t0);
   };
   std::vector<double> full_s;
@@ -154,14 +174,15 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
 
   // Decode at `context` cached tokens: prefill once per policy, then time single steps.
   at::Tensor ctx = model.Embed(at::randint(3, vocab, {context}, at::kLong));
+  const auto context_pool = PoolFor(model, 1, context + steps);
   auto decode = [&](const llava::CacheParams& p, int64_t* bytes, int64_t* full_bytes) {
-    auto cache = llava::NewKvCache(model.kv_layout(), p, layout(context));
-    Sync(model.Forward({{ctx, 0, cache.get(), false}}));
+    auto cache = llava::NewKvCache(context_pool.get(), p, layout(context));
+    Sync(Feed(model, {{ctx, 0, cache.get(), false}}));
     std::vector<double> runs;
     for (int s = 0; s < steps; ++s) {
       at::Tensor e = model.Embed(at::randint(3, vocab, {1}, at::kLong));
       const auto t0 = Clock::now();
-      Sync(model.Forward({{e, cache->NextPosition(), cache.get(), false}}));
+      Sync(Feed(model, {{e, cache->NextPosition(), cache.get(), false}}));
       runs.push_back(Seconds(t0));
     }
     *bytes = cache->Stats().bytes_kept;
@@ -209,13 +230,14 @@ PaperRun RunPaperBatch(const llava::LlavaModel& model, const llava::CacheParams&
   layout.instruction = {prompt - instruction, prompt};
   PaperRun run;
   run.batch = batch;
+  const auto pool = PoolFor(model, batch, prompt + answer);
   std::vector<std::unique_ptr<llava::KvCache>> caches;
   std::vector<at::Tensor> last;
   auto t0 = Clock::now();
   for (int i = 0; i < batch; ++i) {
-    caches.push_back(llava::NewKvCache(model.kv_layout(), params, layout));
+    caches.push_back(llava::NewKvCache(pool.get(), params, layout));
     at::Tensor emb = model.Embed(at::randint(3, vocab, {prompt}, at::kLong));
-    last.push_back(model.Forward({{emb, 0, caches.back().get(), false}}).argmax(-1));
+    last.push_back(Feed(model, {{emb, 0, caches.back().get(), false}}).argmax(-1));
   }
   at::Tensor ids = at::cat(last).to(at::kCPU);  // the first answer token of each sequence
   run.prefill_s = Seconds(t0);
@@ -226,7 +248,7 @@ PaperRun RunPaperBatch(const llava::LlavaModel& model, const llava::CacheParams&
     for (int i = 0; i < batch; ++i) {
       chunks[i] = {emb.narrow(0, i, 1), caches[i]->NextPosition(), caches[i].get(), false};
     }
-    ids = model.Forward(chunks).argmax(-1).to(at::kCPU);  // as a server reads its tokens
+    ids = Feed(model, chunks).argmax(-1).to(at::kCPU);  // as a server reads its tokens
   }
   run.decode_s = Seconds(t0);
   run.kv_bytes_per_seq = caches[0]->Stats().bytes_kept;
@@ -553,11 +575,13 @@ int main(int argc, char** argv) {
   // which a serving process has paid long before (AVX2 path, 4 alternating runs: 92-96 tokens/s
   // with the warm-up and three timed prefills, 90-93 with two timed prefills and none).
   std::vector<double> prefill;
+  const auto prefill_pool = PoolFor(model, 1, prompt);
+  const llava::CacheParams full{llava::CachePolicy::kFull};
   for (int r = -1; r < std::max(3, reps / 2); ++r) {
-    auto cache = model.NewFullCache();
+    auto cache = llava::NewKvCache(prefill_pool.get(), full);
     at::Tensor emb = model.Embed(at::randint(3, vocab, {prompt}, at::kLong));
     const auto t0 = Clock::now();
-    Sync(model.Forward({{emb, 0, cache.get(), false}}));
+    Sync(Feed(model, {{emb, 0, cache.get(), false}}));
     if (r >= 0) prefill.push_back(prompt / Seconds(t0));
   }
   const double prefill_tps = Median(prefill);
@@ -576,12 +600,13 @@ int main(int argc, char** argv) {
     std::vector<double> runs;
     for (int r = 0; r < reps; ++r) {
       const double run_probe = b == 1 ? MeasureReadBandwidth(probe, 3) : 0;
+      const auto pool = PoolFor(model, b, context + steps);
       std::vector<std::unique_ptr<llava::KvCache>> caches;
       std::vector<llava::SequenceChunk> chunks(b);
       for (int i = 0; i < b; ++i) {
-        caches.push_back(model.NewFullCache());
-        Sync(model.Forward({{model.Embed(at::randint(3, vocab, {context}, at::kLong)), 0,
-                             caches.back().get(), false}}));
+        caches.push_back(llava::NewKvCache(pool.get(), full));
+        Sync(Feed(model, {{model.Embed(at::randint(3, vocab, {context}, at::kLong)), 0,
+                           caches.back().get(), false}}));
       }
       const auto t0 = Clock::now();
       for (int s = 0; s < steps; ++s) {
@@ -590,7 +615,7 @@ int main(int argc, char** argv) {
         for (int i = 0; i < b; ++i) {
           chunks[i] = {emb.narrow(0, i, 1), caches[i]->NextPosition(), caches[i].get(), false};
         }
-        Sync(model.Forward(chunks).argmax(-1));
+        Sync(Feed(model, chunks).argmax(-1));
       }
       runs.push_back(double(b) * steps / Seconds(t0));
       if (b == 1) {

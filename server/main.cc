@@ -129,10 +129,10 @@ int main(int argc, char** argv) {
       ->envname(env("WARMUP"))
       ->capture_default_str();
   int64_t kv_bytes = 0;
-  auto* gib_opt = app.add_option("--kv-cache-gib", kv_gib, "KV byte budget for admission, GiB")
+  auto* gib_opt = app.add_option("--kv-cache-gib", kv_gib, "the KV pool, allocated at start on the model's device (whole pages), GiB")
                       ->envname(env("KV_CACHE_GIB"))
                       ->capture_default_str();
-  app.add_option("--kv-cache-bytes", kv_bytes, "KV byte budget for admission in bytes")
+  app.add_option("--kv-cache-bytes", kv_bytes, "the KV pool in bytes (instead of --kv-cache-gib)")
       ->envname(env("KV_CACHE_BYTES"))
       ->check(CLI::PositiveNumber)
       ->excludes(gib_opt);
@@ -258,7 +258,16 @@ int main(int argc, char** argv) {
   eo.limits.max_prompt_tokens = max_prompt_tokens;
   eo.limits.image.max_encoded_bytes = static_cast<size_t>(max_image_bytes);
   eo.limits.image.max_pixels = max_image_pixels;
-  llava::Engine engine(**loaded, eo);
+  // The KV pool is allocated here, once, on the model's device.
+  std::unique_ptr<llava::Engine> engine_holder;
+  try {
+    engine_holder = std::make_unique<llava::Engine>(**loaded, eo);
+  } catch (const std::exception& e) {
+    spdlog::error("cannot allocate the KV pool of {} bytes on {}: {}", eo.kv_cache_bytes, device,
+                  e.what());
+    return 1;
+  }
+  llava::Engine& engine = *engine_holder;
   if (warmup) {
     // Before the gate exists, under an id its requests never reach (they count from 1).
     double ttft = 0;
@@ -275,7 +284,7 @@ int main(int argc, char** argv) {
   llava::server::ServiceConfig sc;
   sc.model = FactsOf(**loaded, model_dir, dtype);
   sc.max_tokens_limit = max_tokens_limit;
-  sc.kv_cache_bytes = eo.kv_cache_bytes;
+  sc.kv_cache_bytes = engine.Snapshot().kv_pool_bytes;
   sc.max_batch = eo.max_batch;
   sc.defaults.max_tokens = default_max_tokens;
   sc.defaults.kv = *parsed_policy;
@@ -360,9 +369,9 @@ int main(int argc, char** argv) {
   spdlog::info("metrics on port {} (/metrics, /healthz)", metrics_port);
   // The bound port on its own line, for scripts and tests that listen on port 0.
   spdlog::info(
-      "serving on port {} (model {}, default policy {} budget {:.2f}, KV budget {:.2f} GiB)",
+      "serving on port {} (model {}, default policy {} budget {:.2f}, KV pool {:.2f} GiB)",
       bound_port, model_dir, policy, budget,
-      static_cast<double>(eo.kv_cache_bytes) / static_cast<double>(1 << 30));
+      static_cast<double>(sc.kv_cache_bytes) / static_cast<double>(1 << 30));
 
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);

@@ -60,7 +60,10 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
   waiting_ = gauge("llava_num_requests_waiting", "Requests waiting for admission.");
   kv_usage_ratio_ = gauge("llava_kv_cache_usage_ratio",
                           "KV bytes reserved by running requests / the KV byte budget (0-1).");
-  kv_used_bytes_ = gauge("llava_kv_cache_used_bytes", "KV cache bytes held by running requests.");
+  kv_used_bytes_ = gauge("llava_kv_cache_used_bytes",
+                         "KV pool bytes in pages held by running requests (physical).");
+  kv_pool_bytes_ = gauge("llava_kv_cache_pool_bytes",
+                         "The KV pool allocated at start (--kv-cache-bytes in whole pages).");
   kv_full_bytes_ = gauge("llava_kv_cache_full_equivalent_bytes",
                          "KV bytes the Full policy would hold for the running requests.");
   kv_reserved_bytes_ = gauge("llava_kv_cache_reserved_bytes",
@@ -206,6 +209,7 @@ void ServingMetrics::UpdateFromEngine(const EngineSnapshot& s) {
   kv_full_bytes_->Set(static_cast<double>(s.kv_bytes_full_equivalent));
   kv_reserved_bytes_->Set(static_cast<double>(s.kv_bytes_reserved));
   kv_budget_bytes_->Set(static_cast<double>(s.kv_budget_bytes));
+  kv_pool_bytes_->Set(static_cast<double>(s.kv_pool_bytes));
   kv_usage_ratio_->Set(s.kv_budget_bytes > 0 ? double(s.kv_bytes_reserved) / s.kv_budget_bytes : 0);
   batch_size_->Set(s.last_batch_size);
   max_batch_->Set(s.max_batch);

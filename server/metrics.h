@@ -57,6 +57,7 @@ class ServingMetrics {
   prometheus::Gauge* kv_full_bytes_;
   prometheus::Gauge* kv_reserved_bytes_;
   prometheus::Gauge* kv_budget_bytes_;
+  prometheus::Gauge* kv_pool_bytes_;
   prometheus::Gauge* batch_size_;
   prometheus::Gauge* max_batch_;
   // By policy ("full", "elastic", "h2o", "streaming_llm"):

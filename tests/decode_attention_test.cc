@@ -66,6 +66,72 @@ INSTANTIATE_TEST_SUITE_P(
                       // not a multiple of 16: the portable loops
                       Case{at::kBFloat16, 2e-2, 4, 2, 24}, Case{at::kFloat, 1e-5, 2, 1, 40}));
 
+// Caches read through page tables (pages of 16 rows, in scrambled order inside one pool, as the
+// KV pool hands them out) give exactly what the same rows give as contiguous tensors: the
+// kernels' 16- and 8-row blocks fall on page boundaries, so not even the summation order moves.
+class PagedDecodeAttentionTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PagedDecodeAttentionTest, EqualsTheContiguousCache) {
+  const auto [dtype, tol, heads, kv_heads, hd] = GetParam();
+  constexpr int64_t kPage = 16, kPages = 40;
+  const std::vector<int64_t> lengths = {1, 16, 17, 150, 33};
+  at::manual_seed(9);
+  const int64_t batch = static_cast<int64_t>(lengths.size());
+  // The pool of one layer: [pages, Hkv, P, hd] for keys and for values.
+  const at::Tensor pool_k = at::randn({kPages, kv_heads, kPage, hd}).to(dtype);
+  const at::Tensor pool_v = at::randn({kPages, kv_heads, kPage, hd}).to(dtype);
+  std::vector<int32_t> order(kPages);
+  for (int32_t i = 0; i < kPages; ++i) order[i] = (i * 17 + 5) % kPages;  // a permutation
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<at::Tensor> keys, values;
+  size_t next = 0;
+  for (int64_t len : lengths) {
+    std::vector<int32_t> table;
+    for (int64_t s = 0; s < len; s += kPage) table.push_back(order[next++]);
+    const at::Tensor ids = at::tensor(std::vector<int64_t>(table.begin(), table.end()), at::kLong);
+    auto gather = [&](const at::Tensor& pool) {
+      return pool.index_select(0, ids)
+          .permute({1, 0, 2, 3})
+          .reshape({kv_heads, -1, hd})
+          .narrow(1, 0, len)
+          .contiguous();
+    };
+    keys.push_back(gather(pool_k));
+    values.push_back(gather(pool_v));
+    tables.push_back(std::move(table));
+  }
+  std::vector<DecodeKv> paged(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    DecodeKv& c = paged[b];
+    c.keys = pool_k.data_ptr();
+    c.values = pool_v.data_ptr();
+    c.pages = tables[b].data();
+    c.page_rows = kPage;
+    c.page_stride = kv_heads * kPage * hd;
+    c.key_head_stride = c.value_head_stride = kPage * hd;
+    c.key_row_stride = c.value_row_stride = hd;
+    c.len = lengths[b];
+  }
+  const at::Tensor q = at::randn({batch, heads, hd}).to(dtype);
+  const std::vector<bool> want = {true, true, false, true, true};
+  std::vector<at::Tensor> want_probs, got_probs;
+  const at::Tensor ref = DecodeAttention(q, keys, values, want, &want_probs);
+  const at::Tensor got = DecodeAttention(q, paged, dtype, kv_heads, want, &got_probs);
+  EXPECT_TRUE(at::equal(got, ref));
+  for (int64_t b = 0; b < batch; ++b) {
+    ASSERT_EQ(got_probs[b].defined(), static_cast<bool>(want[b]));
+    if (want[b]) {
+      EXPECT_TRUE(at::equal(got_probs[b], want_probs[b])) << "sequence " << b;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PagedDecodeAttentionTest,
+                         ::testing::Values(Case{at::kFloat, 0, 4, 2, 64},
+                                           Case{at::kBFloat16, 0, 4, 2, 128},
+                                           Case{at::kBFloat16, 0, 8, 1, 32},
+                                           Case{at::kFloat, 0, 2, 1, 40}));
+
 TEST(DecodeAttention, SequencesDoNotSeeEachOther) {
   // Changing one sequence's cache changes only that sequence's output.
   at::manual_seed(3);

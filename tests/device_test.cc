@@ -22,6 +22,7 @@
 #include "engine/kernels/decode_attention.h"
 #include "engine/kv/cache_policy.h"
 #include "engine/kv/kv_cache.h"
+#include "engine/kv/kv_pool.h"
 #include "engine/model/llava_model.h"
 #include "tests/test_util.h"
 
@@ -281,7 +282,12 @@ struct PolicyTrace {
 PolicyTrace Trace(const LlavaModel& model, const CacheParams& params) {
   const Reference& r = Ref();
   PolicyTrace t;
-  auto cache = NewKvCache(model.kv_layout(), params, Segments());
+  KvPool pool(model.kv_layout(), int64_t{16} << 20);  // on the model's device
+  auto cache = NewKvCache(&pool, params, Segments());
+  auto feed = [&](const at::Tensor& embeds) {
+    EXPECT_TRUE(cache->Reserve(embeds.size(0)));
+    return model.Forward({{embeds, cache->NextPosition(), cache.get()}});
+  };
   auto record = [&](const at::Tensor& logits) {
     t.logits.push_back(logits.to(at::kCPU));
     std::vector<std::vector<int64_t>> layers;
@@ -290,10 +296,10 @@ PolicyTrace Trace(const LlavaModel& model, const CacheParams& params) {
     t.merged.push_back(cache->Stats().tokens_merged);
     t.evicted.push_back(cache->Stats().tokens_evicted);
   };
-  record(model.Forward({{PromptEmbeds(model), 0, cache.get()}}));
+  record(feed(PromptEmbeds(model)));
   at::Tensor steps = model.Embed(at::tensor(r.continuation, at::kLong));
   for (int64_t i = 0; i < steps.size(0); ++i) {
-    record(model.Forward({{steps.narrow(0, i, 1), cache->NextPosition(), cache.get()}}));
+    record(feed(steps.narrow(0, i, 1)));
   }
   return t;
 }

@@ -37,7 +37,7 @@ class EchoRunner final : public ModelRunner {
 
   const LlavaConfig& config() const override { return config_; }
   const Tokenizer& tokenizer() const override { return tok_; }
-  KvLayout kv_layout() const override { return {kLayers, 1, kHeadDim, 4}; }
+  KvLayout kv_layout() const override { return {kLayers, 1, kHeadDim, DType::kF32}; }
   // Input rows carry their token id in column 0.
   at::Tensor EmbedPrompt(const PreparedRequest& p, double*) const override {
     std::vector<float> ids(p.prompt.ids.begin(), p.prompt.ids.end());

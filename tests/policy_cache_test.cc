@@ -2,12 +2,14 @@
 // accounting, and budget 1 == Full.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <random>
 
 #include "engine/kernels/runtime.h"
 #include "engine/kv/elastic_policy.h"
 #include "engine/kv/kv_cache.h"
+#include "engine/kv/kv_pool.h"
 #include "engine/model/llava_model.h"
 #include "engine/serving/generator.h"
 #include "tests/test_util.h"
@@ -60,15 +62,6 @@ TEST(MergeRows, AveragesEachBucket) {
     EXPECT_TRUE(at::allclose(MergeRows(view.to(at::kBFloat16), plan).to(at::kFloat),
                              MergeRowsReference(view.to(at::kBFloat16), plan).to(at::kFloat), 1e-2,
                              1e-2));
-    // In place over a cache-like buffer (capacity 16, 10 rows used): the same values in the
-    // first five rows of each head, the rest untouched.
-    for (at::ScalarType type : {at::kFloat, at::kBFloat16}) {
-      at::Tensor buffer = wide.to(type);
-      const at::Tensor before = buffer.clone(), want = MergeRows(buffer.narrow(1, 0, 10), plan);
-      ASSERT_TRUE(MergeRowsInPlace(buffer.narrow(1, 0, 10), plan));
-      EXPECT_TRUE(at::equal(buffer.narrow(1, 0, 5), want)) << weighted;
-      EXPECT_TRUE(at::equal(buffer.narrow(1, 5, 11), before.narrow(1, 5, 11))) << weighted;
-    }
   }
 }
 
@@ -78,8 +71,16 @@ KvLayout OneLayerLayout() {
   layout.num_layers = 1;
   layout.kv_heads = 1;
   layout.head_dim = 2;
-  layout.dtype_bytes = 4;
+  layout.dtype = DType::kF32;
   return layout;
+}
+
+// The positions `cache` keeps in `layer`, in position order (the policies' order; the cache
+// stores them in slot order).
+std::vector<int64_t> Kept(const KvCache& cache, int layer) {
+  std::vector<int64_t> pos = cache.Positions(layer);
+  std::sort(pos.begin(), pos.end());
+  return pos;
 }
 
 // Elastic's importance on a hand-made prefill: every query attends only to itself, so each
@@ -88,17 +89,19 @@ KvLayout OneLayerLayout() {
 TEST(ElasticImportance, MeanRemovesTheEarlyPositionBias) {
   const int64_t t = 10;
   const KvLayout layout = OneLayerLayout();
+  KvPool pool(layout, int64_t{1} << 20);
   for (bool mean : {false, true}) {
     CacheParams p = Params(CachePolicy::kElastic, 0.5, 25, 1);  // K = 5, protected {0, 9}
     p.elastic.importance = mean ? ImportanceMode::kMean : ImportanceMode::kSum;
-    auto cache = NewPolicyKvCache(layout, p);
+    auto cache = NewPolicyKvCache(&pool, p);
     ASSERT_TRUE(cache->WantsAttentionProbs(0));
+    ASSERT_TRUE(cache->Reserve(t));
     cache->Append(0, at::zeros({1, t, 2}), at::zeros({1, t, 2}));
     cache->ObserveAttention(0, at::eye(t).unsqueeze(0));  // [H = 1, t, t]
     cache->OnForwardDone(t);
     const std::vector<int64_t> expected =
         mean ? std::vector<int64_t>{0, 6, 7, 8, 9} : std::vector<int64_t>{0, 1, 2, 3, 9};
-    EXPECT_EQ(cache->Positions(0), expected) << "mean importance: " << mean;
+    EXPECT_EQ(Kept(*cache, 0), expected) << "mean importance: " << mean;
   }
 }
 
@@ -109,6 +112,7 @@ TEST(ElasticImportance, MeanRemovesTheEarlyPositionBias) {
 TEST(ElasticImportance, InstructionModeCountsOnlyTheInstructionsRows) {
   const int64_t t = 10;
   const KvLayout layout = OneLayerLayout();
+  KvPool pool(layout, int64_t{1} << 20);
   PromptSegments segments;
   segments.images = {{2, 6}};
   segments.instruction = {6, 10};
@@ -118,7 +122,8 @@ TEST(ElasticImportance, InstructionModeCountsOnlyTheInstructionsRows) {
     p.budget = 0.3;  // K = 3
     p.elastic.importance = mode;
     p.elastic.protect_instruction = false;
-    auto cache = NewPolicyKvCache(layout, p, segments);
+    auto cache = NewPolicyKvCache(&pool, p, segments);
+    ASSERT_TRUE(cache->Reserve(t));
     cache->Append(0, at::zeros({1, t, 2}), at::zeros({1, t, 2}));
     at::Tensor probs = at::zeros({1, t, t});
     for (int64_t i = 0; i < t; ++i) probs[0][i][i < 6 ? std::min<int64_t>(i, 1) : 4] = 1;
@@ -126,8 +131,7 @@ TEST(ElasticImportance, InstructionModeCountsOnlyTheInstructionsRows) {
     cache->ObserveAttention(0, probs.narrow(1, 7, 3));
     cache->OnForwardDone(t);
     const int64_t anchor = mode == ImportanceMode::kSum ? 1 : 4;
-    EXPECT_EQ(cache->Positions(0), (std::vector<int64_t>{0, anchor, 9}))
-        << ImportanceModeName(mode);
+    EXPECT_EQ(Kept(*cache, 0), (std::vector<int64_t>{0, anchor, 9})) << ImportanceModeName(mode);
   }
 }
 
@@ -141,7 +145,9 @@ TEST(ElasticMerge, KeysAreAveragedOnlyWhenAsked) {
   for (bool merge_keys : {true, false}) {
     CacheParams p = Params(CachePolicy::kElastic, 0.5, 25, 1);
     p.elastic.merge_keys = merge_keys;
-    auto cache = NewPolicyKvCache(OneLayerLayout(), p);
+    KvPool pool(OneLayerLayout(), int64_t{1} << 20);
+    auto cache = NewPolicyKvCache(&pool, p);
+    ASSERT_TRUE(cache->Reserve(t));
     cache->Append(0, rows, values);
     cache->ObserveAttention(0, at::eye(t).unsqueeze(0));
     cache->OnForwardDone(t);
@@ -164,8 +170,17 @@ class PolicyCacheTest : public ::testing::Test {
     auto m = LlavaModel::Load(::llava::testing::TestData() + "/tiny-new", o);
     ASSERT_TRUE(m.ok()) << m.status().ToString();
     model_ = std::move(m).value().release();
+    pool_ = new KvPool(model_->kv_layout(), int64_t{64} << 20);
   }
-  static void TearDownTestSuite() { delete model_; }
+  static void TearDownTestSuite() {
+    delete pool_;
+    delete model_;
+  }
+  // One forward pass, each pooled cache's pages for it reserved first.
+  static at::Tensor Feed(const std::vector<SequenceChunk>& chunks) {
+    for (const SequenceChunk& c : chunks) EXPECT_TRUE(c.cache->Reserve(c.embeds.size(0)));
+    return model_->Forward(chunks);
+  }
 
   static at::Tensor Ids(int64_t n, int seed) {
     at::manual_seed(seed);
@@ -175,25 +190,27 @@ class PolicyCacheTest : public ::testing::Test {
   // and calls `check` after each forward pass.
   static at::Tensor Run(KvCache* cache, const at::Tensor& prompt, const at::Tensor& steps,
                         const std::function<void(int64_t)>& check = nullptr) {
-    std::vector<at::Tensor> out = {model_->Forward({{model_->Embed(prompt), 0, cache, false}})};
+    std::vector<at::Tensor> out = {Feed({{model_->Embed(prompt), 0, cache, false}})};
     if (check) check(prompt.size(0));
     for (int64_t i = 0; i < steps.size(0); ++i) {
-      out.push_back(model_->Forward(
-          {{model_->Embed(steps.narrow(0, i, 1)), cache->NextPosition(), cache, false}}));
+      out.push_back(
+          Feed({{model_->Embed(steps.narrow(0, i, 1)), cache->NextPosition(), cache, false}}));
       if (check) check(prompt.size(0) + i + 1);
     }
     return at::cat(out, 0);
   }
   static LlavaModel* model_;
+  static KvPool* pool_;
 };
 LlavaModel* PolicyCacheTest::model_ = nullptr;
+KvPool* PolicyCacheTest::pool_ = nullptr;
 
 TEST_F(PolicyCacheTest, BudgetOneEqualsFullForEveryPolicy) {
   at::Tensor prompt = Ids(30, 1), steps = Ids(12, 2);
   auto full = NewFullKvCache(model_->kv_layout());
   at::Tensor ref = Run(full.get(), prompt, steps);
   for (CachePolicy p : {CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM}) {
-    auto cache = NewPolicyKvCache(model_->kv_layout(), Params(p, 1.0));
+    auto cache = NewPolicyKvCache(pool_, Params(p, 1.0));
     at::Tensor got = Run(cache.get(), prompt, steps);
     EXPECT_TRUE(at::equal(got, ref)) << CachePolicyName(p);
     EXPECT_EQ(cache->Length(0), 42);
@@ -210,14 +227,14 @@ TEST_F(PolicyCacheTest, KeptRowsAreThePromptRowsAtTheirPositions) {
   segments.images = {{4, 29}};
   segments.instruction = {29, 37};
   auto full = NewFullKvCache(model_->kv_layout());
-  model_->Forward({{model_->Embed(prompt), 0, full.get(), false}});
+  Feed({{model_->Embed(prompt), 0, full.get(), false}});
   for (const char* spec : {"elastic", "h2o", "streaming_llm"}) {
     CacheParams base;
     base.budget = 0.4;
     auto params = ParseCacheSpec(spec, base);
     ASSERT_TRUE(params.ok()) << params.status().ToString();
-    auto cache = NewKvCache(model_->kv_layout(), *params, segments);
-    model_->Forward({{model_->Embed(prompt), 0, cache.get(), false}});
+    auto cache = NewKvCache(pool_, *params, segments);
+    Feed({{model_->Embed(prompt), 0, cache.get(), false}});
     const bool merges = params->policy == CachePolicy::kElastic;
     ASSERT_FALSE(merges && params->elastic.merge_keys) << spec;
     for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
@@ -250,18 +267,17 @@ TEST_F(PolicyCacheTest, ChunkedPrefillMatchesOnePass) {
                                                            CachePolicy::kStreamingLLM}[k];
     CacheParams params = Params(p, 0.3, /*recent=*/4);
     if (k == 3) params.elastic = ElasticPreset(ElasticVariant::kProduct);
-    auto whole = NewKvCache(model_->kv_layout(), params, segments);
-    std::vector<at::Tensor> ref = {
-        model_->Forward({{model_->Embed(prompt), 0, whole.get(), false}})};
+    auto whole = NewKvCache(pool_, params, segments);
+    std::vector<at::Tensor> ref = {Feed({{model_->Embed(prompt), 0, whole.get(), false}})};
 
-    auto chunked = NewKvCache(model_->kv_layout(), params, segments);
+    auto chunked = NewKvCache(pool_, params, segments);
     const at::Tensor embeds = model_->Embed(prompt);
     std::vector<at::Tensor> out;
     int64_t begin = 0;
     for (int64_t n : {10, 1, 20, 6}) {
       SequenceChunk c{embeds.narrow(0, begin, n), chunked->NextPosition(), chunked.get(), false};
       c.prompt_continues = begin + n < prompt.size(0);
-      at::Tensor logits = model_->Forward({c});
+      at::Tensor logits = Feed({c});
       begin += n;
       if (c.prompt_continues) {
         ASSERT_EQ(chunked->Length(0), begin) << "nothing is compressed before the last chunk";
@@ -279,8 +295,8 @@ TEST_F(PolicyCacheTest, ChunkedPrefillMatchesOnePass) {
       }
       if (i == steps.size(0)) break;
       const at::Tensor x = model_->Embed(steps.narrow(0, i, 1));
-      ref.push_back(model_->Forward({{x, whole->NextPosition(), whole.get(), false}}));
-      out.push_back(model_->Forward({{x, chunked->NextPosition(), chunked.get(), false}}));
+      ref.push_back(Feed({{x, whole->NextPosition(), whole.get(), false}}));
+      out.push_back(Feed({{x, chunked->NextPosition(), chunked.get(), false}}));
     }
     EXPECT_TRUE(at::allclose(at::cat(out, 0), at::cat(ref, 0), 1e-4, 1e-4)) << CachePolicyName(p);
     EXPECT_EQ(chunked->Stats().tokens_merged, whole->Stats().tokens_merged);
@@ -297,16 +313,17 @@ TEST_F(PolicyCacheTest, LengthAndBytesFollowTheBudgetEveryStep) {
     const double gamma = 0.1 + 0.8 * (rng() % 100) / 100.0;
     const int64_t t = 8 + rng() % 40, steps = 1 + rng() % 20;
     const CacheParams params = Params(policy, gamma, 1 + rng() % 10, rng() % 3);
-    auto cache = NewKvCache(model_->kv_layout(), params);
+    auto cache = NewKvCache(pool_, params);
     Run(cache.get(), Ids(t, trial), Ids(steps, 100 + trial), [&](int64_t n) {
       const KvStats s = cache->Stats();
       for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
         ASSERT_EQ(cache->Length(l), Target(params, n))
             << CachePolicyName(policy) << " gamma " << gamma << " n " << n;
         ASSERT_EQ(static_cast<int64_t>(cache->Positions(l).size()), cache->Length(l));
-        ASSERT_TRUE(std::is_sorted(cache->Positions(l).begin(), cache->Positions(l).end()));
+        const std::vector<int64_t> kept = Kept(*cache, l);
+        ASSERT_TRUE(std::adjacent_find(kept.begin(), kept.end()) == kept.end());
         for (int64_t i = 0; i < std::min<int64_t>(params.sinks(), n); ++i) {
-          ASSERT_EQ(cache->Positions(l)[i], i) << "sink " << i << " must survive";
+          ASSERT_EQ(kept[i], i) << "sink " << i << " must survive";
         }
       }
       ASSERT_EQ(s.tokens_seen, n);
@@ -322,7 +339,7 @@ TEST_F(PolicyCacheTest, LengthAndBytesFollowTheBudgetEveryStep) {
 // before N_tl never change after the merge.
 TEST_F(PolicyCacheTest, ElasticEvictsAtTheFixedPoint) {
   const CacheParams params = Params(CachePolicy::kElastic, 0.3, /*recent=*/4);
-  auto cache = NewKvCache(model_->kv_layout(), params);
+  auto cache = NewKvCache(pool_, params);
   const int64_t t = 40;
   std::vector<std::vector<int64_t>> before;
   int64_t fixed_point = -1, evictions = 0;
@@ -332,8 +349,8 @@ TEST_F(PolicyCacheTest, ElasticEvictsAtTheFixedPoint) {
       fixed_point = ElasticFixedPoint(cache->Length(0), params);  // S0 - 4 + 1
       EXPECT_EQ(fixed_point, Target(params, t) - 3);
       for (int l = 0; l < layers; ++l) {
-        EXPECT_EQ(cache->Positions(l).front(), 0);     // BOS sink
-        EXPECT_EQ(cache->Positions(l).back(), t - 1);  // last prompt token
+        EXPECT_EQ(Kept(*cache, l).front(), 0);     // BOS sink
+        EXPECT_EQ(Kept(*cache, l).back(), t - 1);  // last prompt token
       }
     } else {
       for (int l = 0; l < layers; ++l) {
@@ -343,11 +360,11 @@ TEST_F(PolicyCacheTest, ElasticEvictsAtTheFixedPoint) {
           expected.erase(expected.begin() + fixed_point);
           if (l == 0) ++evictions;
         }
-        EXPECT_EQ(cache->Positions(l), expected) << "layer " << l << " n " << n;
+        EXPECT_EQ(Kept(*cache, l), expected) << "layer " << l << " n " << n;
       }
     }
     before.clear();
-    for (int l = 0; l < layers; ++l) before.push_back(cache->Positions(l));
+    for (int l = 0; l < layers; ++l) before.push_back(Kept(*cache, l));
   });
   EXPECT_GT(evictions, 15);
   EXPECT_EQ(cache->Stats().tokens_evicted, evictions);
@@ -364,10 +381,10 @@ TEST_F(PolicyCacheTest, ProductElasticKeepsTheInstructionWhileDecoding) {
     CacheParams params;
     params.policy = CachePolicy::kElastic;
     params.budget = gamma;
-    auto cache = NewKvCache(model_->kv_layout(), params, segments);
+    auto cache = NewKvCache(pool_, params, segments);
     Run(cache.get(), Ids(40, 21), Ids(40, 22), [&](int64_t n) {
       for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
-        const std::vector<int64_t>& pos = cache->Positions(l);
+        const std::vector<int64_t> pos = Kept(*cache, l);
         ASSERT_EQ(cache->Length(l), ProjectedEntries(params, segments, n)) << "n " << n;
         ASSERT_EQ(pos.front(), 0);
         for (int64_t i = 34; i < 40; ++i) {
@@ -381,7 +398,7 @@ TEST_F(PolicyCacheTest, ProductElasticKeepsTheInstructionWhileDecoding) {
     // position in its text run, so unless it is an anchor itself it is dropped, never merged
     // into the image.
     const int64_t anchors = ProjectedEntries(params, segments, 40) - 7;
-    std::unique_ptr<KvCache> fresh = NewKvCache(model_->kv_layout(), params, segments);
+    std::unique_ptr<KvCache> fresh = NewKvCache(pool_, params, segments);
     Run(fresh.get(), Ids(40, 21), Ids(0, 22));
     const KvStats s = fresh->Stats();
     EXPECT_EQ(s.tokens_merged + s.tokens_evicted, 33 - anchors);
@@ -391,22 +408,22 @@ TEST_F(PolicyCacheTest, ProductElasticKeepsTheInstructionWhileDecoding) {
 
 TEST_F(PolicyCacheTest, StreamingKeepsSinksAndTheRecentWindow) {
   const CacheParams params = Params(CachePolicy::kStreamingLLM, 0.25);  // 4 sinks
-  auto cache = NewKvCache(model_->kv_layout(), params);
+  auto cache = NewKvCache(pool_, params);
   Run(cache.get(), Ids(40, 9), Ids(8, 10), [&](int64_t n) {
     const int64_t target = Target(params, n);
     std::vector<int64_t> expected = {0, 1, 2, 3};
     for (int64_t p = n - (target - 4); p < n; ++p) expected.push_back(p);
-    EXPECT_EQ(cache->Positions(0), expected) << "n " << n;
+    EXPECT_EQ(Kept(*cache, 0), expected) << "n " << n;
   });
 }
 
 TEST_F(PolicyCacheTest, H2OKeepsTheRecentHalfOfTheBudget) {
   const CacheParams params = Params(CachePolicy::kH2O, 0.3);
-  auto cache = NewKvCache(model_->kv_layout(), params);
+  auto cache = NewKvCache(pool_, params);
   Run(cache.get(), Ids(40, 11), Ids(10, 12), [&](int64_t n) {
     const int64_t target = Target(params, n), recent = target - target / 2;
     for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
-      const auto& pos = cache->Positions(l);
+      const std::vector<int64_t> pos = Kept(*cache, l);
       for (int64_t i = 0; i < recent; ++i) EXPECT_EQ(pos[pos.size() - 1 - i], n - 1 - i);
     }
   });
@@ -415,10 +432,99 @@ TEST_F(PolicyCacheTest, H2OKeepsTheRecentHalfOfTheBudget) {
 TEST_F(PolicyCacheTest, CompressedPositionModeFeedsAtTheCacheLength) {
   CacheParams params = Params(CachePolicy::kElastic, 0.5);
   params.position_mode = PositionMode::kCompressed;
-  auto cache = NewKvCache(model_->kv_layout(), params);
+  auto cache = NewKvCache(pool_, params);
   Run(cache.get(), Ids(20, 13), Ids(1, 14));
   EXPECT_EQ(cache->NextPosition(), cache->Length(0));
   EXPECT_LT(cache->NextPosition(), 21);
+}
+
+// Five sequences, one per policy, sharing one pool that is too small to hold them all at once:
+// they start and finish at different steps (a finished one's pages go to a later one), every
+// step runs all of them in one pass, and each sequence's logits equal those it gets alone in a
+// pool of its own. After every step the pool's pages in use are exactly the pages the caches
+// hold, each cache holds the fewest pages its entries fit in, and once every cache is gone
+// every page is free again.
+TEST_F(PolicyCacheTest, SequencesShareThePoolWithoutLeaksOrCorruption) {
+  struct Seq {
+    const char* spec;
+    int64_t prompt, steps, start;
+  };
+  const std::vector<Seq> seqs = {{"full", 40, 12, 0},
+                                 {"elastic", 45, 30, 1},
+                                 {"elastic+paper", 33, 25, 3},
+                                 {"h2o", 60, 18, 14},
+                                 {"streaming_llm", 27, 20, 16}};
+  std::vector<CacheParams> params;
+  std::vector<at::Tensor> prompts, answers, alone;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    CacheParams base;
+    base.budget = 0.35;
+    auto p = ParseCacheSpec(seqs[i].spec, base);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    params.push_back(*p);
+    prompts.push_back(model_->Embed(Ids(seqs[i].prompt, 30 + i)));
+    answers.push_back(model_->Embed(Ids(seqs[i].steps, 60 + i)));
+    auto cache = NewKvCache(pool_, *p);
+    std::vector<at::Tensor> rows = {Feed({{prompts[i], 0, cache.get(), false}})};
+    for (int64_t s = 0; s < seqs[i].steps; ++s) {
+      rows.push_back(Feed({{answers[i].narrow(0, s, 1), cache->NextPosition(), cache.get()}}));
+    }
+    alone.push_back(at::cat(rows, 0));
+  }
+  ASSERT_EQ(pool_->pages().used_pages(), 0);
+
+  const KvLayout layout = model_->kv_layout();
+  KvPool shared(layout, 12 * kKvPageRows * layout.num_layers * layout.bytes_per_entry());
+  std::vector<std::unique_ptr<KvCache>> caches(seqs.size());
+  std::vector<int64_t> fed(seqs.size(), -1);  // answer rows fed; -1: prompt not yet
+  std::vector<std::vector<at::Tensor>> got(seqs.size());
+  bool reused = false;
+  for (int64_t step = 0;; ++step) {
+    std::vector<SequenceChunk> chunks;
+    std::vector<size_t> who;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (step < seqs[i].start || fed[i] >= seqs[i].steps) continue;
+      if (fed[i] < 0) {
+        reused = reused || shared.pages().high_water() > shared.pages().used_pages();
+        caches[i] = NewKvCache(&shared, params[i]);
+        chunks.push_back({prompts[i], 0, caches[i].get(), false});
+      } else {
+        chunks.push_back(
+            {answers[i].narrow(0, fed[i], 1), caches[i]->NextPosition(), caches[i].get(), false});
+      }
+      who.push_back(i);
+    }
+    if (chunks.empty()) break;
+    for (const SequenceChunk& c : chunks) ASSERT_TRUE(c.cache->Reserve(c.embeds.size(0)));
+    const at::Tensor logits = model_->Forward(chunks);
+    int64_t held = 0;
+    for (size_t c = 0; c < who.size(); ++c) {
+      const size_t i = who[c];
+      got[i].push_back(logits.narrow(0, static_cast<int64_t>(c), 1));
+      ++fed[i];
+      const KvStats st = caches[i]->Stats();
+      const int64_t entries =
+          *std::max_element(st.entries_per_layer.begin(), st.entries_per_layer.end());
+      ASSERT_EQ(st.bytes_allocated, shared.PagesFor(entries) * shared.page_bytes())
+          << seqs[i].spec << " step " << step;
+      if (fed[i] == seqs[i].steps) {
+        caches[i].reset();  // finished: its pages go back at once
+      } else {
+        held += st.bytes_allocated / shared.page_bytes();
+      }
+    }
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (caches[i] && std::find(who.begin(), who.end(), i) == who.end()) {
+        held += caches[i]->Stats().bytes_allocated / shared.page_bytes();
+      }
+    }
+    ASSERT_EQ(shared.pages().used_pages(), held) << "step " << step;
+  }
+  EXPECT_TRUE(reused) << "the pool was big enough never to reuse a page: the test proves less";
+  EXPECT_EQ(shared.pages().used_pages(), 0);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    EXPECT_TRUE(at::allclose(at::cat(got[i], 0), alone[i], 1e-4, 1e-4)) << seqs[i].spec;
+  }
 }
 
 TEST_F(PolicyCacheTest, ElasticGenerationAcrossBudgets) {

@@ -53,19 +53,20 @@ TEST(Scheduler, AdmitsFifoWhileBytesFit) {
   // Full, 200 + 100 tokens -> 300 entries x 2 layers x 100 B = 60 000 B.
   ASSERT_TRUE(s.Enqueue({1, 200, 100, Kv(CachePolicy::kFull, 1)}).ok());
   ASSERT_TRUE(s.Enqueue({2, 200, 100, Kv(CachePolicy::kFull, 1)}).ok());
-  // Elastic 0.2 of the same: 60 entries once merged (12 000 B), 200 while prefilling (40 000 B).
+  // Elastic 0.2 of the same: 60 entries once merged + the one a decode step appends before it
+  // evicts (12 200 B), 200 while prefilling (40 000 B).
   ASSERT_TRUE(s.Enqueue({3, 200, 100, Kv(CachePolicy::kElastic, 0.2)}).ok());
   EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{1}));  // 2 would make 120 000 > 100 000
   EXPECT_EQ(s.reserved_bytes(), 60000);
   EXPECT_EQ(s.waiting(), 2);
   EXPECT_TRUE(s.Admit().empty()) << "FIFO: 3 would fit but may not overtake 2";
   EXPECT_TRUE(s.Remove(1));
-  // Together: 60 000 + 12 000 once running; 40 000 + 40 000 while both prompts prefill.
+  // Together: 60 000 + 12 200 once running; 40 000 + 40 000 while both prompts prefill.
   EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2, 3}));
   EXPECT_EQ(s.reserved_bytes(), 100000) << "3 holds its whole prompt until it is merged";
   s.PrefillDone(2);
   s.PrefillDone(3);
-  EXPECT_EQ(s.reserved_bytes(), 72000);
+  EXPECT_EQ(s.reserved_bytes(), 72200);
   EXPECT_EQ(s.running(), 2);
 }
 
@@ -102,7 +103,7 @@ TEST(Scheduler, PromptTransientIsHeldUntilPrefillDone) {
   c.kv_budget_bytes = 1000 * 2 * 100;  // 1000 entries per layer
   Scheduler s(c);
   for (uint64_t i = 0; i < 3; ++i) {
-    ASSERT_TRUE(s.Enqueue({i, 600, 100, Kv(CachePolicy::kElastic, 0.2)}).ok());  // steady 140
+    ASSERT_TRUE(s.Enqueue({i, 600, 100, Kv(CachePolicy::kElastic, 0.2)}).ok());  // steady 140 + 1
   }
   EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{0}));  // two prompts of 600 would not fit
   EXPECT_EQ(s.reserved_bytes(), 600 * 200);
@@ -110,10 +111,10 @@ TEST(Scheduler, PromptTransientIsHeldUntilPrefillDone) {
   s.PrefillDone(0);
   s.PrefillDone(0);  // repeated: ignored
   s.PrefillDone(7);  // unknown: ignored
-  EXPECT_EQ(s.reserved_bytes(), 140 * 200);
-  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{1}));  // 140 + 600 fits, 140 + 1200 does not
+  EXPECT_EQ(s.reserved_bytes(), 141 * 200);
+  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{1}));  // 141 + 600 fits, 141 + 1200 does not
   EXPECT_TRUE(s.Remove(1));                          // cancelled while prefilling
-  EXPECT_EQ(s.reserved_bytes(), 140 * 200);
+  EXPECT_EQ(s.reserved_bytes(), 141 * 200);
   EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2}));
 }
 
@@ -129,6 +130,20 @@ TEST(Scheduler, RefusesWhatCanNeverFitAndBoundsTheQueue) {
   EXPECT_TRUE(s.Remove(3));  // a waiting request can be cancelled
   EXPECT_FALSE(s.Remove(3));
   EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2}));
+}
+
+// With pages of 16 slots a reservation is whole pages: Full 200 + 100 -> 300 entries -> 19
+// pages (304 slots); Elastic 0.2 -> 60 + 1 -> 4 pages (64); a 200-token prompt -> 13 (208).
+TEST(Scheduler, ReservesWholePages) {
+  SchedulerConfig c = Config();
+  c.page_entries = 16;
+  Scheduler s(c);
+  EXPECT_EQ(s.SteadyBytes({1, 200, 100, Kv(CachePolicy::kFull, 1)}), 304 * 200);
+  EXPECT_EQ(s.SteadyBytes({2, 200, 100, Kv(CachePolicy::kElastic, 0.2)}), 64 * 200);
+  EXPECT_EQ(s.PrefillBytes({2, 200, 100, Kv(CachePolicy::kElastic, 0.2)}), 208 * 200);
+  EXPECT_EQ(s.PageBytes(0), 0);
+  EXPECT_EQ(s.PageBytes(16), 16 * 200);
+  EXPECT_EQ(s.PageBytes(17), 32 * 200);
 }
 
 TEST(Scheduler, BatchLimit) {

@@ -353,6 +353,7 @@ TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
                              "llava_kv_cache_used_bytes",
                              "llava_kv_cache_full_equivalent_bytes",
                              "llava_kv_cache_budget_bytes",
+                             "llava_kv_cache_pool_bytes",
                              "llava_kv_compression_ratio_bucket{policy=",
                              "llava_kv_tokens_merged_total{policy=",
                              "llava_kv_tokens_evicted_total{policy=",
@@ -376,6 +377,11 @@ TEST_F(ServerTest, MetricsEndpointServesTheDocumentedSeries) {
                              "llava_http_connections_closed_total{reason=\"cap\"}"}) {
     EXPECT_NE(http.find(series), std::string::npos) << series;
   }
+  // The pool is allocated at start, whole pages of the budget; nothing is held once idle.
+  EXPECT_GT(SeriesValue(http, "llava_kv_cache_pool_bytes"), 0) << http;
+  EXPECT_LE(SeriesValue(http, "llava_kv_cache_pool_bytes"),
+            SeriesValue(http, "llava_kv_cache_budget_bytes") + 1)
+      << http;
   // The request ran under the default policy (Elastic): its savings are counted under it.
   EXPECT_GE(SeriesValue(http, "llava_kv_compression_ratio_count{policy=\"elastic\"}"), 1) << http;
   EXPECT_EQ(SeriesValue(http, "llava_kv_compression_ratio_count{policy=\"h2o\"}"), 0);

@@ -26,6 +26,7 @@ class SupervisedAttentionCache : public KvCache {
   }
   at::Tensor Keys(int layer) const override { return inner_->Keys(layer); }
   at::Tensor Values(int layer) const override { return inner_->Values(layer); }
+  KvStorage Storage(int layer) const override { return inner_->Storage(layer); }
   int64_t Length(int layer) const override { return inner_->Length(layer); }
   const std::vector<int64_t>& Positions(int layer) const override {
     return inner_->Positions(layer);

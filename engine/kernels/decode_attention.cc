@@ -25,38 +25,60 @@ inline float ToFloat(uint16_t bf16) { return Bf16ToFloat(bf16); }
 
 constexpr int64_t kMaxHeadDim = 256;
 
+// One KV head of one sequence's cache as the kernels read it: rows [0, len) in pages of
+// `page_rows`, page i's first row at k + pages[i] * page_stride (v likewise), consecutive rows
+// of a page `ks` (`vs`) elements apart. An unpaged cache is one page.
+template <typename KV>
+struct HeadRows {
+  const KV* k;
+  const KV* v;
+  const int32_t* pages;
+  int64_t page_rows, page_stride, ks, vs, len;
+
+  int64_t NumPages() const { return (len + page_rows - 1) / page_rows; }
+  int64_t First(int64_t i) const { return i * page_rows; }  // the page's first row index
+  int64_t Rows(int64_t i) const { return std::min(page_rows, len - i * page_rows); }
+  const KV* K(int64_t i) const { return k + pages[i] * page_stride; }
+  const KV* V(int64_t i) const { return v + pages[i] * page_stride; }
+};
+
 // The `g` query heads that share one KV head against one cache: scores (softmax probabilities
 // on return) in `p` [g, len], the weighted sums of values in `out` [g, hd]. Each key and value
 // row is converted to fp32 once for the whole group. fp32 arithmetic throughout.
 template <typename KV>
-inline __attribute__((always_inline)) void Group(const float* q, int64_t g, const KV* k,
-                                                 int64_t k_stride, const KV* v, int64_t v_stride,
-                                                 int64_t len, int64_t hd, float scale, float* p,
-                                                 float* out) {
+inline __attribute__((always_inline)) void Group(const float* q, int64_t g, const HeadRows<KV>& c,
+                                                 int64_t hd, float scale, float* p, float* out) {
   float row[kMaxHeadDim];
-  for (int64_t j = 0; j < len; ++j) {
-    const KV* kj = k + j * k_stride;
+  const int64_t len = c.len;
+  for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
+    const KV* k = c.K(pg);
+    for (int64_t r = 0, j = c.First(pg); r < c.Rows(pg); ++r, ++j) {
+      const KV* kj = k + r * c.ks;
 #pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) row[d] = ToFloat(kj[d]);
-    for (int64_t i = 0; i < g; ++i) {
-      const float* qi = q + i * hd;
-      float acc = 0.f;
+      for (int64_t d = 0; d < hd; ++d) row[d] = ToFloat(kj[d]);
+      for (int64_t i = 0; i < g; ++i) {
+        const float* qi = q + i * hd;
+        float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < hd; ++d) acc += qi[d] * row[d];
-      p[i * len + j] = acc * scale;
+        for (int64_t d = 0; d < hd; ++d) acc += qi[d] * row[d];
+        p[i * len + j] = acc * scale;
+      }
     }
   }
   SoftmaxRows(p, g, len);
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
-  for (int64_t j = 0; j < len; ++j) {
-    const KV* vj = v + j * v_stride;
+  for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
+    const KV* v = c.V(pg);
+    for (int64_t r = 0, j = c.First(pg); r < c.Rows(pg); ++r, ++j) {
+      const KV* vj = v + r * c.vs;
 #pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) row[d] = ToFloat(vj[d]);
-    for (int64_t i = 0; i < g; ++i) {
-      const float pij = p[i * len + j];
-      float* oi = out + i * hd;
+      for (int64_t d = 0; d < hd; ++d) row[d] = ToFloat(vj[d]);
+      for (int64_t i = 0; i < g; ++i) {
+        const float pij = p[i * len + j];
+        float* oi = out + i * hd;
 #pragma omp simd
-      for (int64_t d = 0; d < hd; ++d) oi[d] += pij * row[d];
+        for (int64_t d = 0; d < hd; ++d) oi[d] += pij * row[d];
+      }
     }
   }
 }
@@ -64,23 +86,22 @@ inline __attribute__((always_inline)) void Group(const float* q, int64_t g, cons
 // Compiled for AVX2 + FMA and for baseline x86-64; GroupAnyHeadSize picks by the CPU path
 // (AVX-512 CPUs take GroupAvx512 below for head sizes it has, this otherwise).
 template <typename KV>
-__attribute__((target("avx2,fma"))) void GroupAvx2(const float* q, int64_t g, const KV* k,
-                                                   int64_t ks, const KV* v, int64_t vs, int64_t len,
+__attribute__((target("avx2,fma"))) void GroupAvx2(const float* q, int64_t g, const HeadRows<KV>& c,
                                                    int64_t hd, float scale, float* p, float* out) {
-  Group(q, g, k, ks, v, vs, len, hd, scale, p, out);
+  Group(q, g, c, hd, scale, p, out);
 }
 
 template <typename KV>
-void GroupGeneric(const float* q, int64_t g, const KV* k, int64_t ks, const KV* v, int64_t vs,
-                  int64_t len, int64_t hd, float scale, float* p, float* out) {
-  Group(q, g, k, ks, v, vs, len, hd, scale, p, out);
+void GroupGeneric(const float* q, int64_t g, const HeadRows<KV>& c, int64_t hd, float scale,
+                  float* p, float* out) {
+  Group(q, g, c, hd, scale, p, out);
 }
 
 template <typename KV>
-void GroupAnyHeadSize(bool avx2, const float* q, int64_t g, const KV* k, int64_t ks, const KV* v,
-                      int64_t vs, int64_t len, int64_t hd, float scale, float* p, float* out) {
-  if (avx2) return GroupAvx2(q, g, k, ks, v, vs, len, hd, scale, p, out);
-  GroupGeneric(q, g, k, ks, v, vs, len, hd, scale, p, out);
+void GroupAnyHeadSize(bool avx2, const float* q, int64_t g, const HeadRows<KV>& c, int64_t hd,
+                      float scale, float* p, float* out) {
+  if (avx2) return GroupAvx2(q, g, c, hd, scale, p, out);
+  GroupGeneric(q, g, c, hd, scale, p, out);
 }
 
 // The same computation with AVX-512 intrinsics for head sizes 16, 32, ..., 128 (64 and 128 in
@@ -121,13 +142,11 @@ __attribute__((target("avx512f"))) inline void ConvertBlock(const KV* src, int64
 // Scores of g bf16 query heads against a bf16 cache head with AVX512-BF16 dot products, which
 // read the keys as stored (no conversion) and take pairs of products per instruction; fp32
 // accumulation, so the result equals the fp32 path's up to summation order when the query is
-// bf16 (as in a bf16 model). p [g, len] = q k^T * scale.
+// bf16 (as in a bf16 model). p [g, len] (rows p_stride apart) = q k^T * scale.
 template <int CH>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void ScoresBf16(const uint16_t* qb,
-                                                                       int64_t g, const uint16_t* k,
-                                                                       int64_t k_stride,
-                                                                       int64_t len, float scale,
-                                                                       float* p) {
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void ScoresBf16(
+    const uint16_t* qb, int64_t g, const uint16_t* k, int64_t k_stride, int64_t len,
+    int64_t p_stride, float scale, float* p) {
   static_assert(CH % 2 == 0, "pairs of 16-lane chunks");
   constexpr int64_t hd = 16 * CH, kVec = CH / 2;  // 32 bf16 per vector
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -148,7 +167,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void ScoresBf16(const uin
         }
         dot[kSumSlot[r]] = acc;
       }
-      _mm512_storeu_ps(p + i * len + j0, _mm512_mul_ps(SumEach16(dot), vscale));
+      _mm512_storeu_ps(p + i * p_stride + j0, _mm512_mul_ps(SumEach16(dot), vscale));
     }
     for (; j0 < len; ++j0) {
       const uint16_t* kr = k + j0 * k_stride;
@@ -157,17 +176,18 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void ScoresBf16(const uin
       for (int c = 0; c < kVec; ++c) {
         acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
       }
-      p[i * len + j0] = SumLanes(acc) * scale;
+      p[i * p_stride + j0] = SumLanes(acc) * scale;
     }
   }
 }
 
 // Scores in fp32: each block of 16 key rows converted once for all g heads, the 16 dot products
-// of a head reduced together. p [g, len] = q k^T * scale; buf holds 16 rows.
+// of a head reduced together. p [g, len] (rows p_stride apart) = q k^T * scale; buf holds 16
+// rows.
 template <int CH, typename KV>
 __attribute__((target("avx512f"))) void ScoresF32(const float* q, int64_t g, const KV* k,
-                                                  int64_t k_stride, int64_t len, float scale,
-                                                  float* p, float* buf) {
+                                                  int64_t k_stride, int64_t len, int64_t p_stride,
+                                                  float scale, float* p, float* buf) {
   constexpr int64_t hd = 16 * CH;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
@@ -187,14 +207,14 @@ __attribute__((target("avx512f"))) void ScoresF32(const float* q, int64_t g, con
             acc = _mm512_fmadd_ps(qv[c], _mm512_load_ps(buf + r * hd + 16 * c), acc);
           dot[kSumSlot[r]] = acc;
         }
-        _mm512_storeu_ps(p + i * len + j0, _mm512_mul_ps(SumEach16(dot), vscale));
+        _mm512_storeu_ps(p + i * p_stride + j0, _mm512_mul_ps(SumEach16(dot), vscale));
       } else {
         for (int64_t r = 0; r < nb; ++r) {
           __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(buf + r * hd));
 #pragma GCC unroll 8
           for (int c = 1; c < CH; ++c)
             acc = _mm512_fmadd_ps(qv[c], _mm512_load_ps(buf + r * hd + 16 * c), acc);
-          p[i * len + j0 + r] = SumLanes(acc) * scale;
+          p[i * p_stride + j0 + r] = SumLanes(acc) * scale;
         }
       }
     }
@@ -203,9 +223,8 @@ __attribute__((target("avx512f"))) void ScoresF32(const float* q, int64_t g, con
 
 template <int CH, typename KV>
 __attribute__((target("avx512f"))) void GroupAvx512(const float* q, const uint16_t* qb, int64_t g,
-                                                    const KV* k, int64_t k_stride, const KV* v,
-                                                    int64_t v_stride, int64_t len, float scale,
-                                                    float* p, float* out) {
+                                                    const HeadRows<KV>& c, float scale, float* p,
+                                                    float* out) {
   constexpr int64_t hd = 16 * CH;
   alignas(64) float storage[16 * hd];
   // Through an opaque pointer: with the block loops fully unrolled, GCC otherwise scalarises the
@@ -213,46 +232,52 @@ __attribute__((target("avx512f"))) void GroupAvx512(const float* q, const uint16
   // disassembly; it halved the kernel's speed).
   float* buf = storage;
   asm("" : "+r"(buf));
-  bool scored = false;
-  if constexpr (std::is_same_v<KV, uint16_t> && CH % 2 == 0) {
-    if (qb != nullptr) {
-      ScoresBf16<CH>(qb, g, k, k_stride, len, scale, p);
-      scored = true;
+  const int64_t len = c.len;
+  for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
+    bool scored = false;
+    if constexpr (std::is_same_v<KV, uint16_t> && CH % 2 == 0) {
+      if (qb != nullptr) {
+        ScoresBf16<CH>(qb, g, c.K(pg), c.ks, c.Rows(pg), len, scale, p + c.First(pg));
+        scored = true;
+      }
     }
+    if (!scored) ScoresF32<CH>(q, g, c.K(pg), c.ks, c.Rows(pg), len, scale, p + c.First(pg), buf);
   }
-  if (!scored) ScoresF32<CH>(q, g, k, k_stride, len, scale, p, buf);
   SoftmaxRows(p, g, len);
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
-  for (int64_t j0 = 0; j0 < len; j0 += 16) {
-    const int64_t nb = std::min<int64_t>(16, len - j0);
-    ConvertBlock<CH>(v + j0 * v_stride, v_stride, nb, buf);
-    for (int64_t i = 0; i < g; ++i) {
-      float* oi = out + i * hd;
-      const float* pi = p + i * len + j0;
-      __m512 acc[CH];
+  for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
+    const KV* v = c.V(pg);
+    const int64_t rows = c.Rows(pg);
+    for (int64_t j0 = 0; j0 < rows; j0 += 16) {
+      const int64_t nb = std::min<int64_t>(16, rows - j0);
+      ConvertBlock<CH>(v + j0 * c.vs, c.vs, nb, buf);
+      for (int64_t i = 0; i < g; ++i) {
+        float* oi = out + i * hd;
+        const float* pi = p + i * len + c.First(pg) + j0;
+        __m512 acc[CH];
 #pragma GCC unroll 8
-      for (int c = 0; c < CH; ++c) acc[c] = _mm512_loadu_ps(oi + 16 * c);
-      for (int64_t r = 0; r < nb; ++r) {
-        const __m512 pr = _mm512_set1_ps(pi[r]);
+        for (int cc = 0; cc < CH; ++cc) acc[cc] = _mm512_loadu_ps(oi + 16 * cc);
+        for (int64_t r = 0; r < nb; ++r) {
+          const __m512 pr = _mm512_set1_ps(pi[r]);
 #pragma GCC unroll 8
-        for (int c = 0; c < CH; ++c)
-          acc[c] = _mm512_fmadd_ps(pr, _mm512_load_ps(buf + r * hd + 16 * c), acc[c]);
+          for (int cc = 0; cc < CH; ++cc)
+            acc[cc] = _mm512_fmadd_ps(pr, _mm512_load_ps(buf + r * hd + 16 * cc), acc[cc]);
+        }
+#pragma GCC unroll 8
+        for (int cc = 0; cc < CH; ++cc) _mm512_storeu_ps(oi + 16 * cc, acc[cc]);
       }
-#pragma GCC unroll 8
-      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(oi + 16 * c, acc[c]);
     }
   }
 }
 
 // GroupAvx512 for the head size, or false when it has no instance for it.
 template <typename KV>
-bool GroupAvx512ForHeadSize(int64_t hd, const float* q, const uint16_t* qb, int64_t g, const KV* k,
-                            int64_t ks, const KV* v, int64_t vs, int64_t len, float scale, float* p,
-                            float* out) {
+bool GroupAvx512ForHeadSize(int64_t hd, const float* q, const uint16_t* qb, int64_t g,
+                            const HeadRows<KV>& c, float scale, float* p, float* out) {
   switch (hd) {
-#define LLAVA_GROUP_CASE(CH)                                     \
-  case 16 * CH:                                                  \
-    GroupAvx512<CH>(q, qb, g, k, ks, v, vs, len, scale, p, out); \
+#define LLAVA_GROUP_CASE(CH)                     \
+  case 16 * CH:                                  \
+    GroupAvx512<CH>(q, qb, g, c, scale, p, out); \
     return true;
     LLAVA_GROUP_CASE(1)
     LLAVA_GROUP_CASE(2)
@@ -307,36 +332,40 @@ __attribute__((target("avx2,fma"))) inline void ConvertBlock8(const KV* src, int
 }
 
 template <int CH, typename KV>
-__attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_t g, const KV* k,
-                                                          int64_t k_stride, const KV* v,
-                                                          int64_t v_stride, int64_t len,
-                                                          float scale, float* p, float* out) {
+__attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_t g,
+                                                          const HeadRows<KV>& c, float scale,
+                                                          float* p, float* out) {
   constexpr int64_t hd = 8 * CH;
   alignas(32) float storage[8 * hd];
   float* buf = storage;  // opaque, as in GroupAvx512
   asm("" : "+r"(buf));
   const __m256 vscale = _mm256_set1_ps(scale);
-  for (int64_t j0 = 0; j0 < len; j0 += 8) {
-    const int64_t nb = std::min<int64_t>(8, len - j0);
-    ConvertBlock8<CH>(k + j0 * k_stride, k_stride, nb, buf);
-    for (int64_t i = 0; i < g; ++i) {
-      __m256 acc[8];
+  const int64_t len = c.len;
+  for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
+    const KV* k = c.K(pg);
+    const int64_t rows = c.Rows(pg), first = c.First(pg);
+    for (int64_t j0 = 0; j0 < rows; j0 += 8) {
+      const int64_t nb = std::min<int64_t>(8, rows - j0);
+      ConvertBlock8<CH>(k + j0 * c.ks, c.ks, nb, buf);
+      for (int64_t i = 0; i < g; ++i) {
+        __m256 acc[8];
 #pragma GCC unroll 8
-      for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
 #pragma GCC unroll 16
-      for (int c = 0; c < CH; ++c) {
-        const __m256 qv = _mm256_loadu_ps(q + i * hd + 8 * c);
+        for (int cc = 0; cc < CH; ++cc) {
+          const __m256 qv = _mm256_loadu_ps(q + i * hd + 8 * cc);
 #pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r)
-          acc[r] = _mm256_fmadd_ps(qv, _mm256_load_ps(buf + r * hd + 8 * c), acc[r]);
-      }
-      const __m256 dots = _mm256_mul_ps(SumEach8(acc), vscale);
-      if (nb == 8) {
-        _mm256_storeu_ps(p + i * len + j0, dots);
-      } else {
-        alignas(32) float tail[8];
-        _mm256_store_ps(tail, dots);
-        std::copy(tail, tail + nb, p + i * len + j0);
+          for (int r = 0; r < 8; ++r)
+            acc[r] = _mm256_fmadd_ps(qv, _mm256_load_ps(buf + r * hd + 8 * cc), acc[r]);
+        }
+        const __m256 dots = _mm256_mul_ps(SumEach8(acc), vscale);
+        if (nb == 8) {
+          _mm256_storeu_ps(p + i * len + first + j0, dots);
+        } else {
+          alignas(32) float tail[8];
+          _mm256_store_ps(tail, dots);
+          std::copy(tail, tail + nb, p + i * len + first + j0);
+        }
       }
     }
   }
@@ -344,24 +373,28 @@ __attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
   // The weighted sum of values: up to 8 accumulators (64 lanes of the head) at a time.
   constexpr int kPart = CH < 8 ? CH : 8;
-  for (int64_t j0 = 0; j0 < len; j0 += 8) {
-    const int64_t nb = std::min<int64_t>(8, len - j0);
-    ConvertBlock8<CH>(v + j0 * v_stride, v_stride, nb, buf);
-    for (int64_t i = 0; i < g; ++i) {
-      const float* pi = p + i * len + j0;
-      for (int c0 = 0; c0 < CH; c0 += kPart) {
-        float* oi = out + i * hd + 8 * c0;
-        __m256 acc[kPart];
+  for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
+    const KV* v = c.V(pg);
+    const int64_t rows = c.Rows(pg), first = c.First(pg);
+    for (int64_t j0 = 0; j0 < rows; j0 += 8) {
+      const int64_t nb = std::min<int64_t>(8, rows - j0);
+      ConvertBlock8<CH>(v + j0 * c.vs, c.vs, nb, buf);
+      for (int64_t i = 0; i < g; ++i) {
+        const float* pi = p + i * len + first + j0;
+        for (int c0 = 0; c0 < CH; c0 += kPart) {
+          float* oi = out + i * hd + 8 * c0;
+          __m256 acc[kPart];
 #pragma GCC unroll 8
-        for (int c = 0; c < kPart; ++c) acc[c] = _mm256_loadu_ps(oi + 8 * c);
-        for (int64_t r = 0; r < nb; ++r) {
-          const __m256 pr = _mm256_set1_ps(pi[r]);
+          for (int cc = 0; cc < kPart; ++cc) acc[cc] = _mm256_loadu_ps(oi + 8 * cc);
+          for (int64_t r = 0; r < nb; ++r) {
+            const __m256 pr = _mm256_set1_ps(pi[r]);
 #pragma GCC unroll 8
-          for (int c = 0; c < kPart; ++c)
-            acc[c] = _mm256_fmadd_ps(pr, _mm256_load_ps(buf + r * hd + 8 * (c0 + c)), acc[c]);
+            for (int cc = 0; cc < kPart; ++cc)
+              acc[cc] = _mm256_fmadd_ps(pr, _mm256_load_ps(buf + r * hd + 8 * (c0 + cc)), acc[cc]);
+          }
+#pragma GCC unroll 8
+          for (int cc = 0; cc < kPart; ++cc) _mm256_storeu_ps(oi + 8 * cc, acc[cc]);
         }
-#pragma GCC unroll 8
-        for (int c = 0; c < kPart; ++c) _mm256_storeu_ps(oi + 8 * c, acc[c]);
       }
     }
   }
@@ -369,12 +402,12 @@ __attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_
 
 // GroupAvx2Blocked for the head size (16, 32, ..., 128), or false when it has no instance.
 template <typename KV>
-bool GroupAvx2ForHeadSize(int64_t hd, const float* q, int64_t g, const KV* k, int64_t ks,
-                          const KV* v, int64_t vs, int64_t len, float scale, float* p, float* out) {
+bool GroupAvx2ForHeadSize(int64_t hd, const float* q, int64_t g, const HeadRows<KV>& c, float scale,
+                          float* p, float* out) {
   switch (hd) {
-#define LLAVA_GROUP_CASE(CH)                                      \
-  case 8 * CH:                                                    \
-    GroupAvx2Blocked<CH>(q, g, k, ks, v, vs, len, scale, p, out); \
+#define LLAVA_GROUP_CASE(CH)                      \
+  case 8 * CH:                                    \
+    GroupAvx2Blocked<CH>(q, g, c, scale, p, out); \
     return true;
     LLAVA_GROUP_CASE(2)
     LLAVA_GROUP_CASE(4)
@@ -393,17 +426,13 @@ bool GroupAvx2ForHeadSize(int64_t hd, const float* q, int64_t g, const KV* k, in
 // One group on the best kernel of the path: the AVX-512 or AVX2 blocks for the head sizes they
 // have, the compiler-vectorised loops otherwise. `qb`: the bf16 query (AVX512-BF16 only).
 template <typename KV>
-void RunGroup(CpuPath path, int64_t hd, const float* q, const uint16_t* qb, int64_t g, const KV* k,
-              int64_t ks, const KV* v, int64_t vs, int64_t len, float scale, float* p, float* out) {
-  if (path >= CpuPath::kAvx512 &&
-      GroupAvx512ForHeadSize(hd, q, qb, g, k, ks, v, vs, len, scale, p, out)) {
+void RunGroup(CpuPath path, int64_t hd, const float* q, const uint16_t* qb, int64_t g,
+              const HeadRows<KV>& c, float scale, float* p, float* out) {
+  if (path >= CpuPath::kAvx512 && GroupAvx512ForHeadSize(hd, q, qb, g, c, scale, p, out)) return;
+  if (path >= CpuPath::kAvx2 && q != nullptr && GroupAvx2ForHeadSize(hd, q, g, c, scale, p, out)) {
     return;
   }
-  if (path >= CpuPath::kAvx2 && q != nullptr &&
-      GroupAvx2ForHeadSize(hd, q, g, k, ks, v, vs, len, scale, p, out)) {
-    return;
-  }
-  GroupAnyHeadSize(path >= CpuPath::kAvx2, q, g, k, ks, v, vs, len, hd, scale, p, out);
+  GroupAnyHeadSize(path >= CpuPath::kAvx2, q, g, c, hd, scale, p, out);
 }
 
 }  // namespace
@@ -501,16 +530,49 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
   TORCH_CHECK(
       static_cast<int64_t>(keys.size()) == batch && static_cast<int64_t>(values.size()) == batch,
       "DecodeAttention: one key and value tensor per sequence");
+  static const int32_t kFirstPage = 0;
+  std::vector<DecodeKv> caches(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const at::Tensor& k = keys[b];
     const at::Tensor& v = values[b];
     TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(2) == hd &&
                     heads % k.size(0) == 0 && k.stride(2) == 1 && v.stride(2) == 1 &&
                     k.scalar_type() == v.scalar_type() &&
-                    (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
-                    k.size(0) == keys[0].size(0) && k.device().is_cpu() && k.size(1) > 0,
+                    k.scalar_type() == keys[0].scalar_type() && k.size(0) == keys[0].size(0) &&
+                    k.device().is_cpu() && k.size(1) > 0,
                 "DecodeAttention: sequence ", b, " has keys ", k.sizes(), " / values ", v.sizes(),
                 " that do not fit q ", q.sizes());
+    DecodeKv& c = caches[b];
+    c.keys = k.data_ptr();
+    c.values = v.data_ptr();
+    c.pages = &kFirstPage;  // one page holding every row
+    c.page_rows = k.size(1);
+    c.key_head_stride = k.stride(0);
+    c.value_head_stride = v.stride(0);
+    c.key_row_stride = k.stride(1);
+    c.value_row_stride = v.stride(1);
+    c.len = k.size(1);
+  }
+  return DecodeAttention(q, caches, keys[0].scalar_type(), keys[0].size(0), want_probs, probs);
+}
+
+at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<DecodeKv>& caches,
+                           at::ScalarType kv_type, int64_t kv_heads,
+                           const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs) {
+  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu() && q.size(2) <= kMaxHeadDim,
+              "DecodeAttention: q must be [B, H, hd <= 256] on CPU");
+  const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);
+  TORCH_CHECK(batch > 0 && static_cast<int64_t>(caches.size()) == batch,
+              "DecodeAttention: one cache per sequence");
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16,
+              "DecodeAttention: float or bf16 caches");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "DecodeAttention: ", heads, " query heads on ",
+              kv_heads, " KV heads");
+  for (int64_t b = 0; b < batch; ++b) {
+    const DecodeKv& c = caches[b];
+    TORCH_CHECK(c.len > 0 && c.page_rows > 0 && c.keys != nullptr && c.values != nullptr &&
+                    c.pages != nullptr && c.key_row_stride >= hd && c.value_row_stride >= hd,
+                "DecodeAttention: sequence ", b, " has no entries or a malformed page table");
   }
   const CpuPath path = ActiveCpuPath();
   const bool use_avx512 = path >= CpuPath::kAvx512;
@@ -519,55 +581,62 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
   const bool has_bf16_dot = path >= CpuPath::kAvx512Bf16;
   const at::Tensor qb =
       q.scalar_type() == at::kBFloat16 && has_bf16_dot ? q.contiguous() : at::Tensor();
-  bool need_qf = !(qb.defined() && use_avx512 && hd % 32 == 0 && hd <= 128);
-  for (int64_t b = 0; b < batch && !need_qf; ++b) {
-    need_qf = keys[b].scalar_type() != at::kBFloat16;
-  }
+  const bool need_qf =
+      !(qb.defined() && use_avx512 && hd % 32 == 0 && hd <= 128) || kv_type != at::kBFloat16;
   const at::Tensor qf = need_qf ? q.to(at::kFloat).contiguous() : at::Tensor();
   const at::TensorOptions f32 = q.options().dtype(at::kFloat);
   at::Tensor out = at::empty({batch, heads, hd}, f32);
   if (probs != nullptr) {
     probs->assign(batch, at::Tensor());
     for (int64_t b = 0; b < batch; ++b) {
-      if (want_probs[b]) (*probs)[b] = at::empty({heads, 1, keys[b].size(1)}, f32);
+      if (want_probs[b]) (*probs)[b] = at::empty({heads, 1, caches[b].len}, f32);
     }
   }
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   const float* qp = need_qf ? qf.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   // One unit of work: a sequence's KV head and the query heads that read it.
-  const int64_t kv_heads = keys[0].size(0), group = heads / kv_heads;
+  const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> scratch;
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / kv_heads, kv = u % kv_heads;
-      const at::Tensor& k = keys[b];
-      const at::Tensor& v = values[b];
-      const int64_t len = k.size(1);
+      const DecodeKv& c = caches[b];
       float* p;
       if (probs != nullptr && want_probs[b]) {
-        p = (*probs)[b].data_ptr<float>() + kv * group * len;
+        p = (*probs)[b].data_ptr<float>() + kv * group * c.len;
       } else {
-        scratch.resize(group * len);
+        scratch.resize(group * c.len);
         p = scratch.data();
       }
       const int64_t first = b * heads + kv * group;  // row of the group's first query head
       const float* qh = qp != nullptr ? qp + first * hd : nullptr;
       float* oh = op + first * hd;
-      if (k.scalar_type() == at::kFloat) {
-        const float* kf = k.data_ptr<float>() + kv * k.stride(0);
-        const float* vf = v.data_ptr<float>() + kv * v.stride(0);
-        RunGroup(path, hd, qh, nullptr, group, kf, k.stride(1), vf, v.stride(1), len, scale, p, oh);
+      if (kv_type == at::kFloat) {
+        const HeadRows<float> rows{static_cast<const float*>(c.keys) + kv * c.key_head_stride,
+                                   static_cast<const float*>(c.values) + kv * c.value_head_stride,
+                                   c.pages,
+                                   c.page_rows,
+                                   c.page_stride,
+                                   c.key_row_stride,
+                                   c.value_row_stride,
+                                   c.len};
+        RunGroup(path, hd, qh, nullptr, group, rows, scale, p, oh);
       } else {
-        const auto* kb =
-            reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + kv * k.stride(0);
-        const auto* vb =
-            reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) + kv * v.stride(0);
-        const uint16_t* qbh = qb.defined()
-                                  ? reinterpret_cast<const uint16_t*>(qb.data_ptr<at::BFloat16>()) +
-                                        (b * heads + kv * group) * hd
-                                  : nullptr;
-        RunGroup(path, hd, qh, qbh, group, kb, k.stride(1), vb, v.stride(1), len, scale, p, oh);
+        const HeadRows<uint16_t> rows{
+            static_cast<const uint16_t*>(c.keys) + kv * c.key_head_stride,
+            static_cast<const uint16_t*>(c.values) + kv * c.value_head_stride,
+            c.pages,
+            c.page_rows,
+            c.page_stride,
+            c.key_row_stride,
+            c.value_row_stride,
+            c.len};
+        const uint16_t* qbh =
+            qb.defined()
+                ? reinterpret_cast<const uint16_t*>(qb.data_ptr<at::BFloat16>()) + first * hd
+                : nullptr;
+        RunGroup(path, hd, qh, qbh, group, rows, scale, p, oh);
       }
     }
   });

@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace llava {
@@ -23,6 +24,29 @@ namespace llava {
 // launch per 64 sequences, float or bf16 caches of the same dtype, engine/kernels/cuda/).
 at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                            const std::vector<at::Tensor>& values,
+                           const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs);
+
+// One sequence's cache of one layer, read in place through its page table (engine/kv/kv_pool.h):
+// entry j lives in page pages[j / page_rows] at row j % page_rows; KV head h of page p starts
+// at keys + p * page_stride + h * key_head_stride elements (values likewise), and consecutive
+// rows of a page are key_row_stride (value_row_stride) >= hd elements apart, the last dimension
+// contiguous. An unpaged cache is one page of page_rows >= len.
+struct DecodeKv {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  const int32_t* pages = nullptr;  // [ceil(len / page_rows)]
+  int64_t page_rows = 0;
+  int64_t page_stride = 0;
+  int64_t key_head_stride = 0, value_head_stride = 0;
+  int64_t key_row_stride = 0, value_row_stride = 0;
+  int64_t len = 0;  // > 0
+};
+
+// The same attention over caches given as page tables (CPU only): every cache of `kv_type`
+// (float or bf16) with `kv_heads` KV heads, H % kv_heads == 0. The tensor form above is this
+// with one page per sequence.
+at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<DecodeKv>& caches,
+                           at::ScalarType kv_type, int64_t kv_heads,
                            const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs);
 
 // Whether the model sends its decode rows to DecodeAttention on `device`: the CPU always; CUDA

@@ -4,15 +4,16 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "engine/kv/kv_policy.h"
+#include "engine/kv/kv_pool.h"
 
 namespace llava {
 namespace {
 
-bool KeepRowsInPlace(const at::Tensor& rows, const std::vector<int64_t>& kept);
-
-// Growable [kv_heads, capacity, head_dim] buffers for K and V of one layer.
+// Growable [kv_heads, capacity, head_dim] buffers for K and V of one layer: the unpooled Full
+// cache's (the trainer's).
 class LayerBuffer {
  public:
   void Append(const at::Tensor& k, const at::Tensor& v) {
@@ -34,30 +35,6 @@ class LayerBuffer {
     }
     len_ += n;
   }
-  // Replaces the contents with `k`, `v` [Hkv, len, hd].
-  void Assign(const at::Tensor& k, const at::Tensor& v) {
-    len_ = 0;
-    Append(k, v);
-  }
-  // Deletes entry `i`, shifting the later ones down (the source is copied first: the ranges
-  // overlap). Only the entries after `i` move.
-  void Erase(int64_t i) {
-    const int64_t tail = len_ - i - 1;
-    if (tail > 0 && k_.device().is_cpu()) {
-      // Decoding evicts an entry per layer and step: a memmove per head, not four ATen ops.
-      const int64_t row = k_.size(2) * k_.element_size(), head = k_.size(1) * row;
-      auto* kp = static_cast<char*>(k_.data_ptr());
-      auto* vp = static_cast<char*>(v_.data_ptr());
-      for (int64_t h = 0; h < k_.size(0); ++h) {
-        std::memmove(kp + h * head + i * row, kp + h * head + (i + 1) * row, tail * row);
-        std::memmove(vp + h * head + i * row, vp + h * head + (i + 1) * row, tail * row);
-      }
-    } else if (tail > 0) {
-      k_.narrow(1, i, tail).copy_(k_.narrow(1, i + 1, tail).clone());
-      v_.narrow(1, i, tail).copy_(v_.narrow(1, i + 1, tail).clone());
-    }
-    --len_;
-  }
   // Decoding appends one row per layer and step: on the CPU, without autograd, a memcpy per
   // head instead of two ATen copies. False when the fast path does not apply.
   bool CopyRows(const at::Tensor& src, at::Tensor& dst) const {
@@ -77,29 +54,19 @@ class LayerBuffer {
     }
     return true;
   }
-  // Applies a prompt plan where the entries are, without allocating (CPU, outside autograd):
-  // the kept or merged rows are written to the first plan.kept.size() slots. False (and nothing
-  // changed) when that does not apply.
-  bool CompressInPlace(const MergePlan& plan) {
-    const at::Tensor k = Keys(), v = Values();
-    auto fits = [](const at::Tensor& t) {
-      return t.device().is_cpu() && !t.requires_grad() && t.stride(2) == 1 &&
-             (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
-    };
-    if (!fits(k) || !fits(v)) return false;
-    const bool merge = plan.merged > 0;
-    if (merge && plan.merge_keys) {
-      MergeRowsInPlace(k, plan);
-    } else {
-      KeepRowsInPlace(k, plan.kept);
-    }
-    if (merge) {
-      MergeRowsInPlace(v, plan);
-    } else {
-      KeepRowsInPlace(v, plan.kept);
-    }
-    len_ = static_cast<int64_t>(plan.kept.size());
-    return true;
+  KvStorage Storage() const {
+    static const int32_t kOnePage = 0;
+    KvStorage st;
+    if (len_ == 0) return st;
+    st.keys = k_.data_ptr();
+    st.values = v_.data_ptr();
+    st.pages = &kOnePage;
+    st.page_rows = len_;
+    st.key_head_stride = k_.stride(0);
+    st.value_head_stride = v_.stride(0);
+    st.row_stride = k_.stride(1);
+    st.len = len_;
+    return st;
   }
   at::Tensor Keys() const { return Entries(k_); }
   at::Tensor Values() const { return Entries(v_); }
@@ -129,18 +96,19 @@ class LayerBuffer {
 };
 
 // Entries and bytes of every layer, and what Full would hold after `tokens_seen` tokens.
-KvStats LayerStats(const std::vector<LayerBuffer>& layers, const KvLayout& layout,
+KvStats LayerStats(const std::vector<int64_t>& lengths, const KvLayout& layout,
                    int64_t tokens_seen) {
   KvStats s;
   s.tokens_seen = tokens_seen;
-  for (const auto& l : layers) {
-    s.entries_per_layer.push_back(l.Length());
-    s.bytes_kept += l.Length() * layout.bytes_per_entry();
+  for (int64_t len : lengths) {
+    s.entries_per_layer.push_back(len);
+    s.bytes_kept += len * layout.bytes_per_entry();
   }
   s.full_equivalent_bytes = tokens_seen * layout.num_layers * layout.bytes_per_entry();
   return s;
 }
 
+// The trainer's Full cache: every entry, in per-layer buffers outside any pool.
 class FullKvCache final : public KvCache {
  public:
   explicit FullKvCache(const KvLayout& layout) : layout_(layout), layers_(layout.num_layers) {}
@@ -154,13 +122,18 @@ class FullKvCache final : public KvCache {
   }
   at::Tensor Keys(int layer) const override { return layers_[layer].Keys(); }
   at::Tensor Values(int layer) const override { return layers_[layer].Values(); }
+  KvStorage Storage(int layer) const override { return layers_[layer].Storage(); }
   int64_t Length(int layer) const override { return layers_[layer].Length(); }
   const std::vector<int64_t>& Positions(int layer) const override { return positions_; }
   void OnForwardDone(int64_t n_new) override { tokens_seen_ += n_new; }
   void OnPromptChunkDone(int64_t n_new) override { tokens_seen_ += n_new; }
   int64_t NextPosition() const override { return tokens_seen_; }
 
-  KvStats Stats() const override { return LayerStats(layers_, layout_, tokens_seen_); }
+  KvStats Stats() const override {
+    std::vector<int64_t> lengths;
+    for (const LayerBuffer& l : layers_) lengths.push_back(l.Length());
+    return LayerStats(lengths, layout_, tokens_seen_);
+  }
 
  private:
   KvLayout layout_;
@@ -169,37 +142,182 @@ class FullKvCache final : public KvCache {
   int64_t tokens_seen_ = 0;
 };
 
-// A cache that compresses as its policy (kv_policy.h) decides. Invariant: after each
-// OnForwardDone every layer holds policy_->Target(tokens_seen_) entries in position order, and
-// positions_ is aligned with the entries.
-class CompressingKvCache final : public KvCache {
+// One sequence's pages in the pool: slot s of every layer lives in page pages_[s / P], row
+// s % P. Returns its pages when destroyed.
+class PageTable {
  public:
-  CompressingKvCache(const KvLayout& layout, const CacheParams& params,
-                     std::unique_ptr<KvPolicy> policy)
-      : layout_(layout),
+  explicit PageTable(KvPool* pool) : pool_(pool) {}
+  ~PageTable() { Shrink(0); }
+  PageTable(const PageTable&) = delete;
+  PageTable& operator=(const PageTable&) = delete;
+
+  int64_t capacity() const { return static_cast<int64_t>(pages_.size()) * pool_->page_rows(); }
+  int64_t num_pages() const { return static_cast<int64_t>(pages_.size()); }
+
+  // Holds pages for `slots` slots at least; false (nothing allocated) when the pool is short.
+  bool Reserve(int64_t slots) {
+    const int64_t need = pool_->PagesFor(slots) - num_pages();
+    return need <= 0 || pool_->pages().Allocate(need, &pages_);
+  }
+  // Returns the pages past the first `slots` slots to the pool.
+  void Shrink(int64_t slots) {
+    const int64_t keep = pool_->PagesFor(slots);
+    if (keep >= num_pages()) return;
+    pool_->pages().Free(pages_.data() + keep, num_pages() - keep);
+    pages_.resize(keep);
+  }
+
+  // Writes rows [Hkv, n, hd] to slots [first, first + n) of `layer`'s keys or values.
+  void Write(int layer, bool values, int64_t first, const at::Tensor& rows) {
+    const int64_t n = rows.size(1), p = pool_->page_rows();
+    TORCH_CHECK(first + n <= capacity(), "KV cache: ", first + n, " slots written, ", capacity(),
+                " reserved");
+    TORCH_CHECK(!rows.requires_grad(), "KV cache: the pool does not take autograd tensors");
+    const KvLayout& layout = pool_->layout();
+    const at::Tensor pages = pool_->Pages(layer, values);  // [pages, Hkv, P, hd]
+    const bool fast = rows.device().is_cpu() && pages.device().is_cpu() &&
+                      rows.scalar_type() == pages.scalar_type() && rows.stride(2) == 1;
+    const int64_t es = pages.element_size(), row = layout.head_dim * es;
+    for (int64_t s = first; s < first + n;) {
+      const int64_t page = pages_[s / p], r0 = s % p, run = std::min(p - r0, first + n - s);
+      const int64_t i = s - first;  // source row
+      if (fast) {
+        char* dst = static_cast<char*>(pool_->Base(layer, values)) +
+                    (page * pool_->page_stride() + r0 * layout.head_dim) * es;
+        const char* src = static_cast<const char*>(rows.data_ptr());
+        for (int64_t h = 0; h < layout.kv_heads; ++h) {
+          char* d = dst + h * pool_->head_stride() * es;
+          const char* sh = src + (h * rows.stride(0) + i * rows.stride(1)) * es;
+          if (rows.stride(1) == layout.head_dim) {
+            std::memcpy(d, sh, run * row);
+          } else {
+            for (int64_t r = 0; r < run; ++r)
+              std::memcpy(d + r * row, sh + r * rows.stride(1) * es, row);
+          }
+        }
+      } else {
+        pages[page].narrow(1, r0, run).copy_(rows.narrow(1, i, run));
+      }
+      s += run;
+    }
+  }
+
+  // Slots [0, len) of `layer`'s keys or values, copied out: [Hkv, len, hd].
+  at::Tensor Gather(int layer, bool values, int64_t len) const {
+    const KvLayout& layout = pool_->layout();
+    const at::Tensor pages = pool_->Pages(layer, values);
+    const int64_t p = pool_->page_rows(), used = pool_->PagesFor(len);
+    if (!pages.device().is_cpu()) {
+      const at::Tensor ids =
+          at::tensor(std::vector<int64_t>(pages_.begin(), pages_.begin() + used), at::kLong)
+              .to(pages.device());
+      return pages.index_select(0, ids)
+          .permute({1, 0, 2, 3})
+          .reshape({layout.kv_heads, used * p, layout.head_dim})
+          .narrow(1, 0, len);
+    }
+    at::Tensor out = at::empty({layout.kv_heads, len, layout.head_dim}, pages.options());
+    const int64_t es = pages.element_size(), row = layout.head_dim * es;
+    const char* base = static_cast<const char*>(pool_->Base(layer, values));
+    char* dst = static_cast<char*>(out.data_ptr());
+    for (int64_t h = 0; h < layout.kv_heads; ++h) {
+      for (int64_t s = 0; s < len; s += p) {
+        const int64_t run = std::min(p, len - s);
+        std::memcpy(dst + (h * len + s) * row,
+                    base + (pages_[s / p] * pool_->page_stride() + h * pool_->head_stride()) * es,
+                    run * row);
+      }
+    }
+    return out;
+  }
+
+  // Copies slot `from` to slot `to` in `layer`, keys and values.
+  void CopySlot(int layer, int64_t from, int64_t to) {
+    const KvLayout& layout = pool_->layout();
+    const int64_t p = pool_->page_rows();
+    for (bool values : {false, true}) {
+      const at::Tensor pages = pool_->Pages(layer, values);
+      if (pages.device().is_cpu()) {
+        const int64_t es = pages.element_size(), row = layout.head_dim * es;
+        char* base = static_cast<char*>(pool_->Base(layer, values));
+        char* src =
+            base + (pages_[from / p] * pool_->page_stride() + (from % p) * layout.head_dim) * es;
+        char* dst =
+            base + (pages_[to / p] * pool_->page_stride() + (to % p) * layout.head_dim) * es;
+        for (int64_t h = 0; h < layout.kv_heads; ++h) {
+          std::memcpy(dst + h * pool_->head_stride() * es, src + h * pool_->head_stride() * es,
+                      row);
+        }
+      } else {
+        pages[pages_[to / p]]
+            .narrow(1, to % p, 1)
+            .copy_(pages[pages_[from / p]].narrow(1, from % p, 1));
+      }
+    }
+  }
+
+  KvStorage View(int layer, int64_t len) const {
+    KvStorage st;
+    st.keys = pool_->Base(layer, false);
+    st.values = pool_->Base(layer, true);
+    st.pages = pages_.data();
+    st.page_rows = pool_->page_rows();
+    st.page_stride = pool_->page_stride();
+    st.key_head_stride = st.value_head_stride = pool_->head_stride();
+    st.row_stride = pool_->layout().head_dim;
+    st.len = len;
+    return st;
+  }
+
+ private:
+  KvPool* pool_;
+  std::vector<int32_t> pages_;
+};
+
+// The serving cache: its entries in the pool, compressed as its policy (kv_policy.h) decides,
+// or all kept (no policy: Full). Invariants: every layer's entries fill slots [0, len_[l]) of
+// one page table; positions_[l][s] is the token in slot s; with a policy, order_[l][r] is the
+// slot of the entry of rank r (position order), and after each OnForwardDone every layer holds
+// policy_->Target(tokens_seen_) entries unless all the rest are protected.
+class PagedKvCache final : public KvCache {
+ public:
+  PagedKvCache(KvPool* pool, const CacheParams& params, std::unique_ptr<KvPolicy> policy)
+      : pool_(pool),
         params_(params),
         policy_(std::move(policy)),
-        layers_(layout.num_layers),
-        positions_(layout.num_layers),
-        rows_seen_(layout.num_layers, 0),
-        pending_scores_(layout.num_layers) {}
+        table_(pool),
+        len_(pool->layout().num_layers, 0),
+        positions_(pool->layout().num_layers),
+        order_(policy_ ? pool->layout().num_layers : 0),
+        rows_seen_(pool->layout().num_layers, 0),
+        pending_scores_(pool->layout().num_layers) {}
 
-  const KvLayout& layout() const override { return layout_; }
+  const KvLayout& layout() const override { return pool_->layout(); }
+  bool Reserve(int64_t n_new) override { return table_.Reserve(MaxLength() + n_new); }
   void Append(int layer, const at::Tensor& k, const at::Tensor& v) override {
-    layers_[layer].Append(k, v);
-    for (int64_t i = 0; i < k.size(1); ++i) positions_[layer].push_back(tokens_seen_ + i);
-    if (prefilled_) policy_->OnAppend(layer, k.size(1));
+    const int64_t n = k.size(1), first = len_[layer];
+    table_.Write(layer, false, first, k);
+    table_.Write(layer, true, first, v);
+    len_[layer] += n;
+    for (int64_t i = 0; i < n; ++i) positions_[layer].push_back(tokens_seen_ + i);
+    if (!policy_) return;
+    for (int64_t i = 0; i < n; ++i) order_[layer].push_back(static_cast<int32_t>(first + i));
+    if (prefilled_) policy_->OnAppend(layer, n);
   }
-  at::Tensor Keys(int layer) const override { return layers_[layer].Keys(); }
-  at::Tensor Values(int layer) const override { return layers_[layer].Values(); }
-  int64_t Length(int layer) const override { return layers_[layer].Length(); }
+  at::Tensor Keys(int layer) const override { return table_.Gather(layer, false, len_[layer]); }
+  at::Tensor Values(int layer) const override { return table_.Gather(layer, true, len_[layer]); }
+  KvStorage Storage(int layer) const override { return table_.View(layer, len_[layer]); }
+  int64_t Length(int layer) const override { return len_[layer]; }
   const std::vector<int64_t>& Positions(int layer) const override { return positions_[layer]; }
 
-  bool WantsAttentionProbs(int layer) const override { return policy_->WantsScores(prefilled_); }
+  bool WantsAttentionProbs(int layer) const override {
+    return policy_ && policy_->WantsScores(prefilled_);
+  }
   void ObserveAttention(int layer, const at::Tensor& probs) override {
-    // probs [H, rows, len]: while the prompt is fed its blocks arrive in row order, so the
-    // block's first row is the prompt position rows_seen_; a block that straddles the policy's
-    // split row is handed over as two. Decode rows have no prompt position (-1).
+    // probs [H, rows, len] in storage order. While the prompt is fed, storage order is position
+    // order and its blocks arrive in row order, so the block's first row is the prompt position
+    // rows_seen_; a block that straddles the policy's split row is handed over as two. Decode
+    // rows have no prompt position (-1).
     auto columns = [&](int64_t begin, int64_t rows) {
       return probs.narrow(1, begin, rows).sum(at::IntArrayRef{0, 1}).div_(probs.size(0));
     };
@@ -224,59 +342,69 @@ class CompressingKvCache final : public KvCache {
 
   void OnForwardDone(int64_t n_new) override {
     tokens_seen_ += n_new;
+    if (!policy_) return;
     if (!prefilled_) {
-      for (int l = 0; l < layout_.num_layers; ++l) CompressPrompt(l);
+      for (int l = 0; l < layout().num_layers; ++l) CompressPrompt(l);
+      table_.Shrink(MaxLength());
       prefilled_ = true;
       return;
     }
     AddPendingScores();
     const int64_t target = policy_->Target(tokens_seen_);
-    for (int l = 0; l < layout_.num_layers; ++l) {
-      while (layers_[l].Length() > target) {
-        const int64_t victim = policy_->Victim(l, layers_[l].Length(), target);
+    for (int l = 0; l < layout().num_layers; ++l) {
+      while (len_[l] > target) {
+        const int64_t victim = policy_->Victim(l, len_[l], target);
         if (victim < 0) break;  // everything left is protected
         Evict(l, victim);
       }
     }
+    // A step that appended into a fresh page and then evicted leaves that page empty: it goes
+    // back (the next step takes the same page again: the pool hands out the last one freed).
+    table_.Shrink(MaxLength());
   }
 
   void OnPromptChunkDone(int64_t n_new) override { tokens_seen_ += n_new; }
 
   int64_t NextPosition() const override {
-    return params_.position_mode == PositionMode::kCompressed ? layers_[0].Length() : tokens_seen_;
+    return params_.position_mode == PositionMode::kCompressed ? len_[0] : tokens_seen_;
   }
 
   KvStats Stats() const override {
-    KvStats s = LayerStats(layers_, layout_, tokens_seen_);
-    s.tokens_merged = merged_ / layout_.num_layers;  // per-layer mean
-    s.tokens_evicted = evicted_ / layout_.num_layers;
+    KvStats s = LayerStats(len_, layout(), tokens_seen_);
+    s.bytes_allocated = table_.num_pages() * pool_->page_bytes();
+    s.tokens_merged = merged_ / layout().num_layers;  // per-layer mean
+    s.tokens_evicted = evicted_ / layout().num_layers;
     return s;
   }
 
  private:
-  // After the prompt's last forward pass: apply the policy's plan to layer `l`.
+  int64_t MaxLength() const { return *std::max_element(len_.begin(), len_.end()); }
+
+  // After the prompt's last forward pass: the policy's plan for layer `l`, its kept and merged
+  // rows written to the first slots (the prompt's slots are in position order).
   void CompressPrompt(int l) {
-    LayerBuffer& buf = layers_[l];
-    const int64_t t = buf.Length();
+    const int64_t t = len_[l];
     const MergePlan plan = policy_->PlanPrompt(l, t);
     merged_ += plan.merged;
     evicted_ += plan.dropped;
-    if (static_cast<int64_t>(plan.kept.size()) == t) return;  // nothing to drop or merge
+    const int64_t kept = static_cast<int64_t>(plan.kept.size());
+    if (kept == t) return;                                // nothing to drop or merge
+    const at::Tensor keys = Keys(l), values = Values(l);  // [Hkv, t, hd], copies
+    const at::Tensor index = at::tensor(plan.kept, at::kLong).to(keys.device());
+    const bool merge = plan.merged > 0;
+    table_.Write(l, false, 0,
+                 merge && plan.merge_keys ? MergeRows(keys, plan) : keys.index_select(1, index));
+    table_.Write(l, true, 0, merge ? MergeRows(values, plan) : values.index_select(1, index));
     std::vector<int64_t> pos;
     for (int64_t i : plan.kept) pos.push_back(positions_[l][i]);
     positions_[l] = std::move(pos);
-    if (buf.CompressInPlace(plan)) return;
-    const at::Tensor index = at::tensor(plan.kept, at::kLong).to(buf.Keys().device());
-    auto kept = [&](const at::Tensor& rows) { return rows.index_select(1, index); };
-    if (plan.merged > 0) {
-      buf.Assign(plan.merge_keys ? MergeRows(buf.Keys(), plan) : kept(buf.Keys()),
-                 MergeRows(buf.Values(), plan));
-    } else {
-      buf.Assign(kept(buf.Keys()), kept(buf.Values()));
-    }
+    order_[l].resize(kept);
+    std::iota(order_[l].begin(), order_[l].end(), 0);
+    len_[l] = kept;
   }
 
-  // The decode step's column sums of every layer, copied to the host in one piece.
+  // The decode step's column sums of every layer, copied to the host in one piece and handed
+  // to the policy in position order.
   void AddPendingScores() {
     std::vector<at::Tensor> sums;
     for (const at::Tensor& t : pending_scores_) {
@@ -285,27 +413,42 @@ class CompressingKvCache final : public KvCache {
     if (sums.empty()) return;
     const at::Tensor host = at::cat(sums).to(at::kCPU).contiguous();
     const float* p = host.data_ptr<float>();
-    for (int l = 0; l < layout_.num_layers; ++l) {
+    std::vector<float> ranked;
+    for (int l = 0; l < layout().num_layers; ++l) {
       at::Tensor& t = pending_scores_[l];
       if (!t.defined()) continue;
-      policy_->AddScores(l, -1, p, t.size(0));
-      p += t.size(0);
+      const int64_t n = t.size(0);
+      ranked.resize(n);
+      for (int64_t r = 0; r < n; ++r) ranked[r] = p[order_[l][r]];
+      policy_->AddScores(l, -1, ranked.data(), n);
+      p += n;
       t = at::Tensor();
     }
   }
 
-  void Evict(int l, int64_t i) {
-    layers_[l].Erase(i);
-    positions_[l].erase(positions_[l].begin() + i);
-    policy_->OnEvict(l, i);
+  // Evicts the entry of rank `rank` from layer `l`: the entry in the last slot moves into the
+  // victim's slot, so the slots stay dense and nothing else moves.
+  void Evict(int l, int64_t rank) {
+    const int32_t slot = order_[l][rank], last = static_cast<int32_t>(len_[l] - 1);
+    if (slot != last) {
+      table_.CopySlot(l, last, slot);
+      positions_[l][slot] = positions_[l][last];
+      *std::find(order_[l].begin(), order_[l].end(), last) = slot;
+    }
+    order_[l].erase(order_[l].begin() + rank);
+    positions_[l].pop_back();
+    --len_[l];
+    policy_->OnEvict(l, rank);
     ++evicted_;
   }
 
-  KvLayout layout_;
+  KvPool* pool_;
   CacheParams params_;
-  std::unique_ptr<KvPolicy> policy_;
-  std::vector<LayerBuffer> layers_;
-  std::vector<std::vector<int64_t>> positions_;  // per layer, aligned with the entries
+  std::unique_ptr<KvPolicy> policy_;  // null: Full
+  PageTable table_;
+  std::vector<int64_t> len_;                     // per layer: entries (= dense slots)
+  std::vector<std::vector<int64_t>> positions_;  // per layer, per slot
+  std::vector<std::vector<int32_t>> order_;      // per layer, per rank: its slot (policy only)
   std::vector<int64_t> rows_seen_;               // per layer: prompt query rows observed
   std::vector<at::Tensor> pending_scores_;       // per layer: this decode step's column sums
   int64_t tokens_seen_ = 0;
@@ -320,17 +463,19 @@ std::unique_ptr<KvCache> NewFullKvCache(const KvLayout& layout) {
   return std::make_unique<FullKvCache>(layout);
 }
 
-std::unique_ptr<KvCache> NewKvCache(const KvLayout& layout, const CacheParams& params,
+std::unique_ptr<KvCache> NewKvCache(KvPool* pool, const CacheParams& params,
                                     const PromptSegments& segments) {
-  if (params.KeepsEverything()) return NewFullKvCache(layout);
-  return NewPolicyKvCache(layout, params, segments);
+  if (params.KeepsEverything()) return std::make_unique<PagedKvCache>(pool, params, nullptr);
+  return NewPolicyKvCache(pool, params, segments);
 }
 
-std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CacheParams& params,
+std::unique_ptr<KvCache> NewPolicyKvCache(KvPool* pool, const CacheParams& params,
                                           const PromptSegments& segments) {
-  if (params.policy == CachePolicy::kFull) return NewFullKvCache(layout);
-  return std::make_unique<CompressingKvCache>(layout, params,
-                                              NewKvPolicy(params, segments, layout.num_layers));
+  std::unique_ptr<KvPolicy> policy;
+  if (params.policy != CachePolicy::kFull) {
+    policy = NewKvPolicy(params, segments, pool->layout().num_layers);
+  }
+  return std::make_unique<PagedKvCache>(pool, params, std::move(policy));
 }
 
 namespace {
@@ -363,36 +508,6 @@ void MergeRowsCpu(const at::Tensor& rows, const MergePlan& plan, const at::Tenso
       for (int64_t d = 0; d < hd; ++d) row[d] = static_cast<T>(acc[b * hd + d] / total[b]);
     }
   }
-}
-
-}  // namespace
-
-bool MergeRowsInPlace(const at::Tensor& rows, const MergePlan& plan) {
-  if (!rows.device().is_cpu() || rows.requires_grad() || rows.stride(2) != 1) return false;
-  if (rows.scalar_type() == at::kFloat) {
-    MergeRowsCpu<float>(rows, plan, rows);
-  } else if (rows.scalar_type() == at::kBFloat16) {
-    MergeRowsCpu<at::BFloat16>(rows, plan, rows);
-  } else {
-    return false;
-  }
-  return true;
-}
-
-namespace {
-
-// Moves rows `kept` (ascending) of every head to the head's first slots, in order.
-bool KeepRowsInPlace(const at::Tensor& rows, const std::vector<int64_t>& kept) {
-  const int64_t row = rows.size(2) * rows.element_size();
-  auto* base = static_cast<char*>(rows.data_ptr());
-  for (int64_t h = 0; h < rows.size(0); ++h) {
-    char* head = base + h * rows.stride(0) * rows.element_size();
-    for (size_t b = 0; b < kept.size(); ++b) {
-      const int64_t from = kept[b];
-      if (from != static_cast<int64_t>(b)) std::memmove(head + b * row, head + from * row, row);
-    }
-  }
-  return true;
 }
 
 }  // namespace

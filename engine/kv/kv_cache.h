@@ -1,8 +1,18 @@
 // Per-request KV cache behind one interface: the Full cache, or a compressing cache whose
 // decisions come from a KvPolicy (kv_policy.h: Elastic, H2O, StreamingLLM).
 //
-// Shapes: every layer stores K and V as [kv_heads, len, head_dim] in the model dtype; keys are
-// stored after rotary embedding. Entries of a layer stay in position order.
+// Storage: the serving caches keep their entries in the engine's KV pool (kv_pool.h), in the
+// pages of one page table per sequence that serves every layer. Entries are held in storage
+// (slot) order: a prompt fills slots 0..T-1 in position order and its compression writes the
+// kept and merged rows to the first slots and returns the pages past them to the pool; a decode
+// step appends its entry to the next slot, and an eviction moves the entry in the last slot into
+// the victim's (one row, not the tail), so slots stay dense. Keys are stored after rotary
+// embedding and each slot's token position is tracked (Positions), so attention does not need
+// position order. The policies still decide in position order (their "index" is an entry's
+// rank by position); the cache maps ranks to slots. Physical bytes held = logical bytes up to
+// the last, partly filled page (KvStats::bytes_allocated).
+//
+// Shapes: K and V of a layer are [kv_heads, len, head_dim] in the model dtype.
 //
 // Thread safety: a cache belongs to one request and is touched only by the engine thread.
 #pragma once
@@ -13,6 +23,7 @@
 #include <vector>
 
 #include "engine/kv/cache_policy.h"
+#include "engine/kv/kv_layout.h"
 #include "engine/kv/kv_policy.h"
 
 namespace at {
@@ -21,23 +32,30 @@ class Tensor;
 
 namespace llava {
 
-// Memory accounting reported per request (DESIGN.md section 4.5).
+class KvPool;
+
+// Memory accounting reported per request (docs/ARCHITECTURE.md, "KV cache").
 struct KvStats {
   int64_t tokens_seen = 0;  // n = prompt + generated tokens fed so far
   std::vector<int64_t> entries_per_layer;
   int64_t bytes_kept = 0;             // sum over layers of entries x bytes_per_entry
+  int64_t bytes_allocated = 0;        // pool pages held x page bytes (0 for an unpooled cache)
   int64_t full_equivalent_bytes = 0;  // what Full would hold: layers x n x bytes_per_entry
   int64_t tokens_merged = 0;
   int64_t tokens_evicted = 0;
 };
 
-struct KvLayout {
-  int num_layers = 0;
-  int kv_heads = 0;
-  int head_dim = 0;
-  int dtype_bytes = 2;
-  // K and V of one entry in one layer.
-  int64_t bytes_per_entry() const { return int64_t{2} * kv_heads * head_dim * dtype_bytes; }
+// Where one layer's entries live, in storage order, for a kernel that reads them in place:
+// slot s is in page pages[s / page_rows] at row s % page_rows; KV head h of page p starts at
+// keys + p * page_stride + h * key_head_stride elements (values likewise); rows of a page are
+// row_stride elements apart. An unpooled cache is one page holding every row.
+struct KvStorage {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  const int32_t* pages = nullptr;
+  int64_t page_rows = 0, page_stride = 0;
+  int64_t key_head_stride = 0, value_head_stride = 0, row_stride = 0;
+  int64_t len = 0;
 };
 
 class KvCache {
@@ -45,19 +63,26 @@ class KvCache {
   virtual ~KvCache() = default;
 
   virtual const KvLayout& layout() const = 0;
-  // Appends `k`, `v` [kv_heads, n, head_dim] to `layer`.
+  // Makes room for `n_new` more entries in every layer (pool pages): false, with nothing
+  // changed, when the pool has too few free pages. A pass may only append what was reserved.
+  virtual bool Reserve(int64_t n_new) { return true; }
+  // Appends `k`, `v` [kv_heads, n, head_dim] to `layer` (a pooled cache: within its reservation).
   virtual void Append(int layer, const at::Tensor& k, const at::Tensor& v) = 0;
-  // All stored entries of `layer`: [kv_heads, len, head_dim] views, valid until the next
-  // mutation of this cache.
+  // All stored entries of `layer` in storage order: [kv_heads, len, head_dim], a copy out of the
+  // pool (a view of an unpooled cache, valid until its next mutation).
   virtual at::Tensor Keys(int layer) const = 0;
   virtual at::Tensor Values(int layer) const = 0;
+  // The same entries where they are (valid until the next mutation of this cache).
+  virtual KvStorage Storage(int layer) const = 0;
   virtual int64_t Length(int layer) const = 0;
-  // True token index of every stored entry of `layer` (a merged entry reports its anchor).
+  // True token index of every stored entry of `layer`, in storage order (a merged entry reports
+  // its anchor).
   virtual const std::vector<int64_t>& Positions(int layer) const = 0;
 
   // Policies that score entries by attention return true for the layers they need; the model
-  // then hands them that layer's softmax probabilities [heads, rows, len], one block of query
-  // rows per call (the blocks of one forward pass add up to all n_new rows).
+  // then hands them that layer's softmax probabilities [heads, rows, len] over the entries in
+  // storage order, one block of query rows per call (the blocks of one forward pass add up to
+  // all n_new rows).
   virtual bool WantsAttentionProbs(int layer) const { return false; }
   virtual void ObserveAttention(int layer, const at::Tensor& probs) {}
 
@@ -76,20 +101,21 @@ class KvCache {
   virtual KvStats Stats() const = 0;
 };
 
-// Keeps every entry. Storage (device and dtype of the first append) grows by doubling, so
-// appends are amortised O(new rows).
+// A Full cache outside any pool, in growable per-layer buffers that autograd can flow through:
+// the trainer's (and the model tests') cache. Not for serving: its capacity doubles.
 std::unique_ptr<KvCache> NewFullKvCache(const KvLayout& layout);
 
-// The cache for `params` (validated by the caller) and the prompt's layout (empty when
-// unknown): Full, or a compressing cache applying the policy (DESIGN.md section 4). Any policy
-// at budget 1 is exactly Full and gets the Full cache (no attention probabilities are
+// The serving cache for `params` (validated by the caller) and the prompt's layout (empty when
+// unknown), its entries in `pool` (borrowed: it must outlive the cache, which returns its pages
+// when destroyed): Full, or a compressing cache applying the policy (docs/ARCHITECTURE.md). Any
+// policy at budget 1 is exactly Full and gets the Full cache (no attention probabilities are
 // materialised).
-std::unique_ptr<KvCache> NewKvCache(const KvLayout& layout, const CacheParams& params,
+std::unique_ptr<KvCache> NewKvCache(KvPool* pool, const CacheParams& params,
                                     const PromptSegments& segments = {});
 
 // Always the policy's compressing cache, even at budget 1 (tests and evaluation use it to check
 // that budget 1 reproduces Full; Full itself gets the Full cache).
-std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CacheParams& params,
+std::unique_ptr<KvCache> NewPolicyKvCache(KvPool* pool, const CacheParams& params,
                                           const PromptSegments& segments = {});
 
 // The prompt merge of one layer's rows: rows [Hkv, T, hd] -> [Hkv, plan.kept.size(), hd], each
@@ -97,9 +123,5 @@ std::unique_ptr<KvCache> NewPolicyKvCache(const KvLayout& layout, const CachePar
 at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan);
 // The same with tensor ops on any device (MergeRows uses it off the CPU; tests compare the two).
 at::Tensor MergeRowsReference(const at::Tensor& rows, const MergePlan& plan);
-// MergeRows written over `rows`' first plan.kept.size() rows of each head (a CPU fp32 or bf16
-// view with contiguous rows, e.g. a cache buffer's; what the cache does after a prompt). False,
-// with nothing written, for any other tensor.
-bool MergeRowsInPlace(const at::Tensor& rows, const MergePlan& plan);
 
 }  // namespace llava

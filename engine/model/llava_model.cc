@@ -328,7 +328,8 @@ KvLayout LlavaModel::kv_layout() const {
   l.num_layers = config_.text.num_hidden_layers;
   l.kv_heads = config_.text.num_key_value_heads;
   l.head_dim = config_.text.head_dim;
-  l.dtype_bytes = static_cast<int>(DTypeSize(options_.dtype));
+  l.dtype = options_.dtype;
+  l.device = options_.device;
   return l;
 }
 
@@ -607,16 +608,19 @@ at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at
 at::Tensor LlavaModel::Attention(const at::Tensor& q, const at::Tensor& k_new,
                                  const at::Tensor& v_new, int layer, KvCache* cache) const {
   // q [n, H, hd], k_new/v_new [n, Hkv, hd] (rotated) -> out [n, H*hd]
-  cache->Append(layer, k_new.transpose(0, 1), v_new.transpose(0, 1));
-  if (!cache->WantsAttentionProbs(layer)) {
-    return CachedAttention(q, cache->Keys(layer), cache->Values(layer), nullptr);
-  }
+  const at::Tensor kt = k_new.transpose(0, 1), vt = v_new.transpose(0, 1);  // [Hkv, n, hd]
+  // A prompt fed whole attends to its own rows: no need to read them back out of the pool.
+  const bool fresh = cache->Length(layer) == 0;
+  cache->Append(layer, kt, vt);
+  const at::Tensor keys = fresh ? kt : cache->Keys(layer);
+  const at::Tensor values = fresh ? vt : cache->Values(layer);
+  if (!cache->WantsAttentionProbs(layer)) return CachedAttention(q, keys, values, nullptr);
   // Each query block's probabilities go to the cache as they are computed, so at most
   // [H, 256, len] of them exist at a time.
   const ProbsObserver observe = [cache, layer](int64_t, const at::Tensor& probs) {
     cache->ObserveAttention(layer, probs);
   };
-  return CachedAttention(q, cache->Keys(layer), cache->Values(layer), &observe);
+  return CachedAttention(q, keys, values, &observe);
 }
 
 at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
@@ -626,25 +630,46 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
   std::vector<at::Tensor> attn(chunks.size());
   if (!decode_rows.empty()) {
     const size_t b = decode_rows.size();
-    std::vector<at::Tensor> keys(b), values(b), probs;
+    std::vector<at::Tensor> keys, values, probs;
+    std::vector<DecodeKv> stored;
     std::vector<bool> want(b);
     std::vector<int64_t> rows(b);
     bool any_want = false;
+    // On the CPU the kernel reads each cache where it is, through its page table; the CUDA
+    // kernel reads contiguous [Hkv, len, hd] tensors, copied out of the pool.
+    const bool in_place = q.is_cpu();
     // [Hkv, N, hd] views made once: each sequence's row is then a single narrow.
     const at::Tensor kt = k.transpose(0, 1), vt = v.transpose(0, 1);
     for (size_t i = 0; i < b; ++i) {
       KvCache* cache = chunks[decode_rows[i]].cache;
       rows[i] = offsets[decode_rows[i]];
       cache->Append(layer, kt.narrow(1, rows[i], 1), vt.narrow(1, rows[i], 1));
-      keys[i] = cache->Keys(layer);
-      values[i] = cache->Values(layer);
+      if (in_place) {
+        const KvStorage st = cache->Storage(layer);
+        DecodeKv d;
+        d.keys = st.keys;
+        d.values = st.values;
+        d.pages = st.pages;
+        d.page_rows = st.page_rows;
+        d.page_stride = st.page_stride;
+        d.key_head_stride = st.key_head_stride;
+        d.value_head_stride = st.value_head_stride;
+        d.key_row_stride = d.value_row_stride = st.row_stride;
+        d.len = st.len;
+        stored.push_back(d);
+      } else {
+        keys.push_back(cache->Keys(layer));
+        values.push_back(cache->Values(layer));
+      }
       want[i] = cache->WantsAttentionProbs(layer);
       any_want = any_want || want[i];
     }
     const bool all = b == chunks.size();  // then rows are 0..b-1 in order
-    at::Tensor out =
-        DecodeAttention(all ? q : q.index_select(0, at::tensor(rows, at::kLong).to(q.device())),
-                        keys, values, want, any_want ? &probs : nullptr);
+    const at::Tensor qd = all ? q : q.index_select(0, at::tensor(rows, at::kLong).to(q.device()));
+    at::Tensor out = in_place
+                         ? DecodeAttention(qd, stored, k.scalar_type(), k.size(1), want,
+                                           any_want ? &probs : nullptr)
+                         : DecodeAttention(qd, keys, values, want, any_want ? &probs : nullptr);
     for (size_t i = 0; i < b; ++i) {
       if (want[i]) chunks[decode_rows[i]].cache->ObserveAttention(layer, probs[i]);
     }

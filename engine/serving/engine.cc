@@ -42,17 +42,22 @@ struct Engine::Sequence {
 };
 
 Engine::Engine(const ModelRunner& model, const EngineOptions& options)
-    : model_(model), options_(options), scheduler_([&] {
+    : model_(model),
+      options_(options),
+      pool_(std::make_unique<KvPool>(model.kv_layout(), options.kv_cache_bytes)),
+      scheduler_([&] {
         SchedulerConfig c;
         const KvLayout layout = model.kv_layout();
-        c.kv_budget_bytes = options.kv_cache_bytes;
+        c.kv_budget_bytes = pool_->bytes();
         c.bytes_per_entry = layout.bytes_per_entry();
+        c.page_entries = pool_->page_rows();
         c.num_layers = layout.num_layers;
         c.max_batch = options.max_batch;
         c.max_queue = options.max_queue;
         return c;
       }()) {
-  snapshot_.kv_budget_bytes = options.kv_cache_bytes;
+  snapshot_.kv_budget_bytes = pool_->bytes();
+  snapshot_.kv_pool_bytes = pool_->bytes();
   snapshot_.max_batch = options.max_batch;
   thread_ = std::thread([this] { Loop(); });
 }
@@ -206,7 +211,7 @@ void Engine::Loop() {
         auto seq = std::make_unique<Sequence>();
         seq->admitted = Clock::now();
         p->observer->OnAdmitted(Seconds(p->submitted, seq->admitted));
-        seq->cache = NewKvCache(model_.kv_layout(), p->kv, p->prepared.segments);
+        seq->cache = NewKvCache(pool_.get(), p->kv, p->prepared.segments);
         seq->state = std::make_unique<DecodeState>(
             model_.tokenizer(), p->sampling,
             PromptTextIds(p->prepared.prompt, model_.config().image_token_index),
@@ -267,6 +272,20 @@ void Engine::Step() {
       decoding.push_back(seq.get());
     }
   }
+  // The pages this pass writes, reserved before it runs (admission has set them aside, so a
+  // refusal here is a broken reservation: it ends that request alone).
+  auto reserve = [&](Sequence* seq, int64_t n) {
+    if (seq->cache->Reserve(n)) return true;
+    seq->state->Abort(FinishReason::kError);
+    Finish(seq, Internal("the KV pool has no free page for a reserved request"));
+    return false;
+  };
+  prompts.erase(std::remove_if(prompts.begin(), prompts.end(),
+                               [&](const PromptPart& p) { return !reserve(p.seq, p.n); }),
+                prompts.end());
+  decoding.erase(
+      std::remove_if(decoding.begin(), decoding.end(), [&](Sequence* s) { return !reserve(s, 1); }),
+      decoding.end());
   if (prompts.empty() && decoding.empty()) return;
   try {
     std::vector<SequenceChunk> chunks;
@@ -353,13 +372,14 @@ void Engine::UpdateSnapshotLocked() {
   snapshot_.waiting = scheduler_.waiting();
   snapshot_.running = static_cast<int>(running_.size());
   snapshot_.kv_bytes_reserved = scheduler_.reserved_bytes();
-  int64_t used = 0, full = 0;
+  int64_t kept = 0, full = 0;
   for (const auto& seq : running_) {
     const KvStats s = seq->cache->Stats();
-    used += s.bytes_kept;
+    kept += s.bytes_kept;
     full += s.full_equivalent_bytes;
   }
-  snapshot_.kv_bytes_used = used;
+  snapshot_.kv_bytes_used = pool_->used_bytes();
+  snapshot_.kv_bytes_kept = kept;
   snapshot_.kv_bytes_full_equivalent = full;
 }
 

@@ -27,6 +27,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "engine/kv/kv_pool.h"
 #include "engine/serving/model_runner.h"
 #include "engine/serving/request.h"
 #include "engine/serving/scheduler.h"
@@ -35,9 +36,11 @@ namespace llava {
 
 struct EngineOptions {
   EngineLimits limits;
-  int64_t kv_cache_bytes = int64_t{4} << 30;  // the KV byte budget shared by all requests
-  int max_batch = 8;                          // running requests at most
-  int max_queue = 64;                         // waiting requests at most
+  // The KV pool, allocated at start on the model's device and shared by all requests: whole
+  // pages of this many bytes at most (kv_pool.h).
+  int64_t kv_cache_bytes = int64_t{4} << 30;
+  int max_batch = 8;   // running requests at most
+  int max_queue = 64;  // waiting requests at most
   // Prompt rows fed per loop turn, over all requests still prefilling (chunked prefill, as
   // vLLM's max_num_batched_tokens); 0 = every prompt whole in its admission turn. A turn with
   // a long prompt otherwise delays every running stream's next token by its whole prefill.
@@ -60,10 +63,12 @@ class RequestObserver {
 struct EngineSnapshot {
   int waiting = 0;
   int running = 0;
-  int64_t kv_bytes_used = 0;             // entries actually held, all requests
+  int64_t kv_bytes_used = 0;             // pool pages in use, all requests (physical)
+  int64_t kv_bytes_kept = 0;             // entries actually held, all requests (logical)
   int64_t kv_bytes_full_equivalent = 0;  // what Full would hold for the same requests
   int64_t kv_bytes_reserved = 0;         // admission reservations
-  int64_t kv_budget_bytes = 0;
+  int64_t kv_budget_bytes = 0;           // what admission hands out: the pool's bytes
+  int64_t kv_pool_bytes = 0;             // the pool, allocated at start
   int last_batch_size = 0;
   int max_batch = 0;  // EngineOptions::max_batch: the most sequences one decode step runs
 };
@@ -126,6 +131,8 @@ class Engine final : public EngineApi {
 
   const ModelRunner& model_;
   const EngineOptions options_;
+  // Every running request's cache lives in it; declared before running_, so it outlives them.
+  const std::unique_ptr<KvPool> pool_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

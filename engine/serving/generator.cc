@@ -6,9 +6,11 @@
 
 #include "engine/kernels/cpu_features.h"
 #include "engine/kernels/runtime.h"
+#include "engine/kv/kv_pool.h"
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
 #include "engine/serving/decode_state.h"
+#include "engine/serving/scheduler.h"
 
 namespace llava {
 namespace {
@@ -88,8 +90,21 @@ double AnswerScore::Perplexity() const { return tokens > 0 ? std::exp(nll_sum / 
 
 namespace {
 
-// One decode row: `token` at the cache's next position.
+// A pool that holds one request: its prompt, or the most entries its policy keeps for
+// `new_tokens` more plus the one a decode step appends before evicting.
+std::unique_ptr<KvPool> RequestPool(const ModelRunner& model, const PreparedRequest& prepared,
+                                    const CacheParams& kv, int64_t new_tokens) {
+  const KvLayout layout = model.kv_layout();
+  const int64_t t = static_cast<int64_t>(prepared.prompt.ids.size());
+  const int64_t entries = std::max(t, SteadyEntries(t, new_tokens, kv, prepared.segments) + 1);
+  const int64_t pages = (entries + kKvPageRows - 1) / kKvPageRows;
+  return std::make_unique<KvPool>(
+      layout, pages * kKvPageRows * layout.num_layers * layout.bytes_per_entry());
+}
+
+// One decode row: `token` at the cache's next position, its page reserved.
 SequenceChunk DecodeChunk(const ModelRunner& model, int token, KvCache* cache) {
+  TORCH_CHECK(cache->Reserve(1), "the request's KV pool is full");
   SequenceChunk chunk;
   chunk.embeds = model.EmbedTokens({token});
   chunk.start_position = cache->NextPosition();
@@ -103,6 +118,7 @@ at::Tensor Generator::Prefill(const PreparedRequest& prepared, KvCache* cache,
                               double* vision_seconds) const {
   SequenceChunk chunk;
   chunk.embeds = m_.EmbedPrompt(prepared, vision_seconds);
+  TORCH_CHECK(cache->Reserve(chunk.embeds.size(0)), "the request's KV pool is full");
   chunk.start_position = cache->NextPosition();
   chunk.cache = cache;
   return m_.Forward({chunk});
@@ -122,7 +138,9 @@ StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
       PrepareRequest(req, model.config(), tok, limits_, static_cast<int64_t>(ids.size())));
   AnswerScore score;
   try {
-    std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache, prepared.segments);
+    const std::unique_ptr<KvPool> pool =
+        RequestPool(model, prepared, req.kv_cache, static_cast<int64_t>(ids.size()));
+    std::unique_ptr<KvCache> cache = NewKvCache(pool.get(), req.kv_cache, prepared.segments);
     auto t0 = std::chrono::steady_clock::now();
     at::Tensor logits = Prefill(prepared, cache.get(), nullptr);
     score.prefill_seconds = SecondsSince(t0);
@@ -157,7 +175,9 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
   result.prompt_tokens = static_cast<int>(prompt.ids.size());
   result.image_tokens = static_cast<int>(prompt.image_offsets.size()) * prompt.image_rows;
   try {
-    std::unique_ptr<KvCache> cache = NewKvCache(model.kv_layout(), req.kv_cache, prepared.segments);
+    const std::unique_ptr<KvPool> pool =
+        RequestPool(model, prepared, req.kv_cache, req.sampling.max_tokens);
+    std::unique_ptr<KvCache> cache = NewKvCache(pool.get(), req.kv_cache, prepared.segments);
     at::Tensor logits = Prefill(prepared, cache.get(), &result.vision_seconds);
     DecodeState state(tok, req.sampling, PromptTextIds(prompt, cfg.image_token_index),
                       cfg.text.eos_token_id);

@@ -11,14 +11,19 @@ int64_t SteadyEntries(int64_t prompt_tokens, int64_t max_tokens, const CachePara
   return ProjectedEntries(kv, segments, prompt_tokens + max_tokens);
 }
 
-int64_t Scheduler::SteadyBytes(const SchedRequest& r) const {
-  return SteadyEntries(r.prompt_tokens, r.max_tokens, r.kv, r.segments) * config_.num_layers *
-         config_.bytes_per_entry;
+int64_t Scheduler::PageBytes(int64_t entries) const {
+  const int64_t p = std::max<int64_t>(1, config_.page_entries);
+  return (entries + p - 1) / p * p * config_.num_layers * config_.bytes_per_entry;
 }
 
-int64_t Scheduler::PrefillBytes(const SchedRequest& r) const {
-  return r.prompt_tokens * config_.num_layers * config_.bytes_per_entry;
+int64_t Scheduler::SteadyBytes(const SchedRequest& r) const {
+  // A compressing cache holds one entry more than its target between a decode step's append
+  // and its eviction.
+  const int64_t spare = r.kv.KeepsEverything() ? 0 : 1;
+  return PageBytes(SteadyEntries(r.prompt_tokens, r.max_tokens, r.kv, r.segments) + spare);
 }
+
+int64_t Scheduler::PrefillBytes(const SchedRequest& r) const { return PageBytes(r.prompt_tokens); }
 
 Status Scheduler::Enqueue(const SchedRequest& r) {
   if (static_cast<int>(waiting_.size()) >= config_.max_queue) {

@@ -1,14 +1,16 @@
-// Admission control for continuous batching, by KV bytes. Torch-free, so every decision is
+// Admission control for continuous batching, by KV pool pages. Torch-free, so every decision is
 // testable exactly (vLLM's habit: the scheduler decides, the cache manager accounts).
 //
-// Each running request reserves its steady-state KV bytes: the most entries its policy holds
-// once the prompt is compressed (EntryTarget(T + G) per layer; T + G for Full) x layers x bytes
-// per entry. While a request prefills it holds its whole prompt (T entries per layer) before
-// compressing: until the engine reports PrefillDone, its reservation is the larger of the two,
-// and admission checks that this transient fits too. (Without chunked prefill a request's prompt
-// is done in its admission turn; with it, over several turns.) Waiting requests are admitted in
-// FIFO order while both fit and the batch has room; a request that could never fit alone is
-// refused at enqueue time. No preemption.
+// Each running request reserves the pool pages it can hold at once: its steady-state entries
+// (EntryTarget(T + G) per layer for a compressing policy, plus the one entry a decode step
+// appends before the policy evicts; T + G for Full), rounded up to whole pages of
+// `page_entries` slots, x layers x bytes per entry. While a request prefills it holds its whole
+// prompt (T entries per layer) before compressing: until the engine reports PrefillDone, its
+// reservation is the larger of the two, and admission checks that this transient fits too.
+// (Without chunked prefill a request's prompt is done in its admission turn; with it, over
+// several turns.) Waiting requests are admitted in FIFO order while both fit and the batch has
+// room; a request that could never fit alone is refused at enqueue time. No preemption. The
+// reservations never exceed the pool, so a reserved cache always gets its pages.
 //
 // Thread safety: not thread-safe; the engine thread owns it.
 #pragma once
@@ -26,6 +28,7 @@ namespace llava {
 struct SchedulerConfig {
   int64_t kv_budget_bytes = int64_t{4} << 30;
   int64_t bytes_per_entry = 0;  // one entry of one layer (K and V)
+  int64_t page_entries = 1;     // slots per pool page: reservations are whole pages
   int num_layers = 0;
   int max_batch = 8;   // running requests at most
   int max_queue = 64;  // waiting requests at most
@@ -50,6 +53,8 @@ class Scheduler {
 
   int64_t SteadyBytes(const SchedRequest& r) const;
   int64_t PrefillBytes(const SchedRequest& r) const;  // the whole prompt, before compression
+  // Bytes of the whole pages that hold `entries` slots in every layer.
+  int64_t PageBytes(int64_t entries) const;
   // RESOURCE_EXHAUSTED when the queue is full or the request alone exceeds the budget.
   Status Enqueue(const SchedRequest& r);
   // Moves waiting requests to running, FIFO, while they fit; returns their ids in order.
