@@ -444,8 +444,52 @@ void AttentionSuite(int reps, int batch, int len, int layers) {
   }
   const double step_ms = Median(ms);
   const double bytes = 2.0 * batch * layers * 2 * len * 64 * 2;
-  std::printf("suite=attention batch=%d len=%d layers=%d step_ms=%.3f cache_gb_s=%.1f\n", batch,
-              len, layers, step_ms, bytes / (step_ms / 1e3) / 1e9);
+  std::printf(
+      "suite=attention batch=%d len=%d layers=%d layout=contiguous step_ms=%.3f "
+      "cache_gb_s=%.1f\n",
+      batch, len, layers, step_ms, bytes / (step_ms / 1e3) / 1e9);
+
+  // The same rows read through page tables, as the KV pool stores them: pages of 16 and 64
+  // slots, and single slots (a table entry per row, SGLang's token pool), each sequence's
+  // pages scattered over the pool (a fixed permutation).
+  for (int64_t page : {1, 16, 64}) {
+    const int64_t per_seq = (len + page - 1) / page, total = per_seq * batch;
+    std::vector<int32_t> ids(total);
+    for (int64_t i = 0; i < total; ++i) ids[i] = static_cast<int32_t>((i * 7919) % total);
+    std::vector<at::Tensor> pools;
+    std::vector<std::vector<llava::DecodeKv>> caches(layers);
+    for (int l = 0; l < layers; ++l) {
+      pools.push_back(at::randn({2, total, 2, page, 64}).to(at::kBFloat16));
+      for (int b = 0; b < batch; ++b) {
+        llava::DecodeKv c;
+        c.keys = pools.back()[0].data_ptr();
+        c.values = pools.back()[1].data_ptr();
+        c.pages = ids.data() + b * per_seq;
+        c.page_rows = page;
+        c.page_stride = 2 * page * 64;
+        c.key_head_stride = c.value_head_stride = page * 64;
+        c.key_row_stride = c.value_row_stride = 64;
+        c.len = len;
+        caches[l].push_back(c);
+      }
+    }
+    std::vector<double> paged_ms;
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kSteps; ++i) {
+        for (int l = 0; l < layers; ++l) {
+          (void)llava::DecodeAttention(q, caches[l], at::kBFloat16, 2, want, nullptr);
+        }
+      }
+      paged_ms.push_back(Seconds(t0) / kSteps * 1e3);
+    }
+    const double paged = Median(paged_ms);
+    std::printf(
+        "suite=attention batch=%d len=%d layers=%d layout=pages%lld step_ms=%.3f "
+        "cache_gb_s=%.1f vs_contiguous=%.3f\n",
+        batch, len, layers, static_cast<long long>(page), paged, bytes / (paged / 1e3) / 1e9,
+        paged / step_ms);
+  }
 }
 
 int main(int argc, char** argv) {

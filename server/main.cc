@@ -129,9 +129,11 @@ int main(int argc, char** argv) {
       ->envname(env("WARMUP"))
       ->capture_default_str();
   int64_t kv_bytes = 0;
-  auto* gib_opt = app.add_option("--kv-cache-gib", kv_gib, "the KV pool, allocated at start on the model's device (whole pages), GiB")
-                      ->envname(env("KV_CACHE_GIB"))
-                      ->capture_default_str();
+  auto* gib_opt =
+      app.add_option("--kv-cache-gib", kv_gib,
+                     "the KV pool, allocated at start on the model's device (whole pages), GiB")
+          ->envname(env("KV_CACHE_GIB"))
+          ->capture_default_str();
   app.add_option("--kv-cache-bytes", kv_bytes, "the KV pool in bytes (instead of --kv-cache-gib)")
       ->envname(env("KV_CACHE_BYTES"))
       ->check(CLI::PositiveNumber)
@@ -368,10 +370,9 @@ int main(int argc, char** argv) {
   serving = true;
   spdlog::info("metrics on port {} (/metrics, /healthz)", metrics_port);
   // The bound port on its own line, for scripts and tests that listen on port 0.
-  spdlog::info(
-      "serving on port {} (model {}, default policy {} budget {:.2f}, KV pool {:.2f} GiB)",
-      bound_port, model_dir, policy, budget,
-      static_cast<double>(sc.kv_cache_bytes) / static_cast<double>(1 << 30));
+  spdlog::info("serving on port {} (model {}, default policy {} budget {:.2f}, KV pool {:.2f} GiB)",
+               bound_port, model_dir, policy, budget,
+               static_cast<double>(sc.kv_cache_bytes) / static_cast<double>(1 << 30));
 
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);

@@ -58,8 +58,7 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
   };
   running_ = gauge("llava_num_requests_running", "Requests in the running batch.");
   waiting_ = gauge("llava_num_requests_waiting", "Requests waiting for admission.");
-  kv_usage_ratio_ = gauge("llava_kv_cache_usage_ratio",
-                          "KV bytes reserved by running requests / the KV byte budget (0-1).");
+  kv_usage_ratio_ = gauge("llava_kv_cache_usage_ratio", "KV pool pages in use / the pool (0-1).");
   kv_used_bytes_ = gauge("llava_kv_cache_used_bytes",
                          "KV pool bytes in pages held by running requests (physical).");
   kv_pool_bytes_ = gauge("llava_kv_cache_pool_bytes",
@@ -67,7 +66,8 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
   kv_full_bytes_ = gauge("llava_kv_cache_full_equivalent_bytes",
                          "KV bytes the Full policy would hold for the running requests.");
   kv_reserved_bytes_ = gauge("llava_kv_cache_reserved_bytes",
-                             "KV bytes reserved by admission for the running requests.");
+                             "KV bytes handed out by admission: the pool pages in use (nothing is "
+                             "reserved ahead).");
   kv_budget_bytes_ = gauge("llava_kv_cache_budget_bytes", "The KV byte budget for admission.");
   batch_size_ = gauge("llava_batch_size", "Sequences in the last decode step.");
   max_batch_ = gauge("llava_max_batch",
@@ -93,6 +93,9 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
   prompt_tokens_ =
       counter("llava_prompt_tokens_total", "Prompt tokens processed, image tokens included.");
   generation_tokens_ = counter("llava_generation_tokens_total", "Tokens generated.");
+  preemptions_ = counter("llava_preemptions_total",
+                         "Running requests that gave their KV pages back when the pool ran "
+                         "short, to be recomputed.");
   ttft_ =
       histogram("llava_time_to_first_token_seconds", "Arrival to first token.", LatencyBuckets());
   inter_token_ = histogram(
@@ -210,6 +213,13 @@ void ServingMetrics::UpdateFromEngine(const EngineSnapshot& s) {
   kv_reserved_bytes_->Set(static_cast<double>(s.kv_bytes_reserved));
   kv_budget_bytes_->Set(static_cast<double>(s.kv_budget_bytes));
   kv_pool_bytes_->Set(static_cast<double>(s.kv_pool_bytes));
+  {
+    std::lock_guard<std::mutex> lock(preemptions_mu_);  // the snapshot's count only grows
+    if (s.preemptions > preemptions_seen_) {
+      preemptions_->Increment(static_cast<double>(s.preemptions - preemptions_seen_));
+      preemptions_seen_ = s.preemptions;
+    }
+  }
   kv_usage_ratio_->Set(s.kv_budget_bytes > 0 ? double(s.kv_bytes_reserved) / s.kv_budget_bytes : 0);
   batch_size_->Set(s.last_batch_size);
   max_batch_->Set(s.max_batch);

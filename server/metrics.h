@@ -58,6 +58,9 @@ class ServingMetrics {
   prometheus::Gauge* kv_reserved_bytes_;
   prometheus::Gauge* kv_budget_bytes_;
   prometheus::Gauge* kv_pool_bytes_;
+  prometheus::Counter* preemptions_;
+  std::mutex preemptions_mu_;
+  int64_t preemptions_seen_ = 0;  // guarded by preemptions_mu_
   prometheus::Gauge* batch_size_;
   prometheus::Gauge* max_batch_;
   // By policy ("full", "elastic", "h2o", "streaming_llm"):

@@ -12,6 +12,8 @@
 #include <opencv2/imgproc.hpp>
 
 #include "engine/kernels/runtime.h"
+#include "engine/kv/kv_policy.h"
+#include "engine/kv/kv_pool.h"
 #include "engine/model/llava_model.h"
 #include "engine/serving/generator.h"
 #include "engine/serving/warmup.h"
@@ -190,6 +192,55 @@ TEST_F(EngineTest, BudgetLimitsConcurrency) {
     EXPECT_TRUE(c->result_.has_value());
   }
   EXPECT_LE(max_running, 1);
+}
+
+// A pool too small for two requests' whole answers: both prompts are admitted (admission
+// counts the pages they hold, not what they may need), the pool runs short while they grow, and
+// the later one gives its pages back and is recomputed from its prompt and answer so far once
+// the first is done. Full then resumes with exactly the answer it gets alone; a compressing
+// policy compresses the prompt and answer so far as one prompt and carries on from there, so
+// its answer may differ after that point, but it keeps its budget and its length.
+TEST_F(EngineTest, PreemptedRequestsAreRecomputed) {
+  const KvLayout layout = loaded_->model().kv_layout();
+  std::vector<GenerationRequest> reqs = {Request("What is in the image?", 48, true),
+                                         Request("describe the picture", 48, true)};
+  for (auto& r : reqs) r.sampling.ignore_eos = true;
+  Generator alone(*loaded_, EngineLimits{});
+  auto first = alone.Generate(reqs[0], nullptr);
+  ASSERT_TRUE(first.ok());
+  const int64_t t = first->prompt_tokens, pages_prompt = (t + kKvPageRows - 1) / kKvPageRows;
+  const int64_t pages_peak = (t + 48 + kKvPageRows - 1) / kKvPageRows;
+  ASSERT_GT(pages_peak, pages_prompt + 1) << "the answers must outgrow the prompts";
+  const int64_t pages = std::max(pages_peak + pages_prompt, 2 * pages_prompt + 1);
+  ASSERT_LT(pages, 2 * pages_peak) << "both answers whole would fit: nothing to preempt";
+  EngineOptions o;
+  o.kv_cache_bytes = pages * kKvPageRows * layout.num_layers * layout.bytes_per_entry();
+  o.initial_growth_ratio = o.min_growth_ratio = 0;  // admit by the prompts' pages alone
+  {
+    Engine engine(*loaded_, o);
+    const auto out = SubmitAll(&engine, reqs);
+    ExpectSameAsAlone(*loaded_, reqs, out);
+    EXPECT_GE(engine.Snapshot().preemptions, 1);
+    EXPECT_EQ(engine.Snapshot().kv_bytes_used, 0);
+  }
+  for (auto& r : reqs) {
+    r.kv_cache.policy = CachePolicy::kStreamingLLM;
+    r.kv_cache.budget = 0.9;  // still more than a prompt's pages once the answer has grown
+  }
+  Engine engine(*loaded_, o);
+  const auto out = SubmitAll(&engine, reqs);
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_TRUE(out[i]->Wait());
+    ASSERT_TRUE(out[i]->result_.has_value()) << out[i]->status_.ToString();
+    const GenerationResult& r = *out[i]->result_;
+    EXPECT_EQ(r.completion_tokens, 48);
+    EXPECT_EQ(r.kv.tokens_seen, r.prompt_tokens + 47);
+    for (int64_t e : r.kv.entries_per_layer) {
+      EXPECT_EQ(e, ProjectedEntries(reqs[i].kv_cache, {}, r.kv.tokens_seen)) << "request " << i;
+    }
+  }
+  EXPECT_GE(engine.Snapshot().preemptions, 1);
+  EXPECT_EQ(engine.Snapshot().kv_bytes_used, 0);
 }
 
 TEST_F(EngineTest, DeadlineEndsTheRequest) {

@@ -12,15 +12,26 @@ CacheParams Kv(CachePolicy p, double gamma) {
   return c;
 }
 
-// 2 layers x 100 bytes per entry; budget 100 000 bytes = 500 entries per layer.
+// A pool of 20 pages of 16 slots (320 entries per layer), 200 bytes a page.
+// No share of the answers' growth in admission (growth ratio 0) unless a test sets one.
 SchedulerConfig Config(int max_batch = 8, int max_queue = 4) {
   SchedulerConfig c;
-  c.kv_budget_bytes = 100000;
-  c.bytes_per_entry = 100;
-  c.num_layers = 2;
+  c.initial_growth_ratio = c.min_growth_ratio = 0;
+  c.pool_pages = 20;
+  c.page_entries = 16;
+  c.page_bytes = 200;
   c.max_batch = max_batch;
   c.max_queue = max_queue;
   return c;
+}
+
+SchedRequest Req(uint64_t id, int64_t prompt, int64_t max_tokens, CacheParams kv) {
+  SchedRequest r;
+  r.id = id;
+  r.prompt_tokens = prompt;
+  r.max_tokens = max_tokens;
+  r.kv = kv;
+  return r;
 }
 
 TEST(SteadyEntries, FullAndCompressed) {
@@ -48,111 +59,147 @@ TEST(SteadyEntries, CountsTheProtectedInstruction) {
   EXPECT_EQ(SteadyEntries(600, 200, paper, segments), 16);  // ceil(0.02 * 800)
 }
 
-TEST(Scheduler, AdmitsFifoWhileBytesFit) {
+// Full 200 + 100 tokens holds at most 300 entries: 19 pages. Elastic 0.2 of the same: its
+// whole prompt (13 pages) while it prefills, then ceil(0.2 x 300) + 1 = 61 entries (4 pages).
+TEST(Scheduler, PeakPagesAreTheMostARequestHoldsAtOnce) {
   Scheduler s(Config());
-  // Full, 200 + 100 tokens -> 300 entries x 2 layers x 100 B = 60 000 B.
-  ASSERT_TRUE(s.Enqueue({1, 200, 100, Kv(CachePolicy::kFull, 1)}).ok());
-  ASSERT_TRUE(s.Enqueue({2, 200, 100, Kv(CachePolicy::kFull, 1)}).ok());
-  // Elastic 0.2 of the same: 60 entries once merged + the one a decode step appends before it
-  // evicts (12 200 B), 200 while prefilling (40 000 B).
-  ASSERT_TRUE(s.Enqueue({3, 200, 100, Kv(CachePolicy::kElastic, 0.2)}).ok());
-  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{1}));  // 2 would make 120 000 > 100 000
-  EXPECT_EQ(s.reserved_bytes(), 60000);
-  EXPECT_EQ(s.waiting(), 2);
-  EXPECT_TRUE(s.Admit().empty()) << "FIFO: 3 would fit but may not overtake 2";
-  EXPECT_TRUE(s.Remove(1));
-  // Together: 60 000 + 12 200 once running; 40 000 + 40 000 while both prompts prefill.
-  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2, 3}));
-  EXPECT_EQ(s.reserved_bytes(), 100000) << "3 holds its whole prompt until it is merged";
-  s.PrefillDone(2);
-  s.PrefillDone(3);
-  EXPECT_EQ(s.reserved_bytes(), 72200);
-  EXPECT_EQ(s.running(), 2);
+  EXPECT_EQ(s.PeakPages(Req(1, 200, 100, Kv(CachePolicy::kFull, 1))), 19);
+  EXPECT_EQ(s.PeakPages(Req(2, 200, 100, Kv(CachePolicy::kElastic, 0.2))), 13);
+  EXPECT_EQ(s.PeakPages(Req(3, 20, 600, Kv(CachePolicy::kElastic, 0.2))), 8);  // 125 entries
+  EXPECT_EQ(s.PromptPages(Req(2, 200, 100, Kv(CachePolicy::kElastic, 0.2))), 13);
+  EXPECT_EQ(s.PagesFor(0), 0);
+  EXPECT_EQ(s.PagesFor(16), 1);
+  EXPECT_EQ(s.PagesFor(17), 2);
 }
 
-// A budget that holds 4 Full requests of a 600-token prompt + 100 answer tokens holds 5x as
-// many at Elastic 0.2 once their prompts are merged (admitted a round at a time, since each
-// round's prompts sit whole in the cache while they prefill).
-TEST(Scheduler, CompressionAdmitsMoreRequests) {
+// Admission by the prompt's pages in what is free now, above a watermark of a page per
+// running request; FIFO, no overtaking; nothing reserved for the answer.
+TEST(Scheduler, AdmitsFifoWhilePromptsFit) {
+  Scheduler s(Config());
+  for (uint64_t id = 1; id <= 3; ++id) {
+    ASSERT_TRUE(s.Enqueue(Req(id, 100, 200, Kv(CachePolicy::kFull, 1))).ok());  // 7 pages each
+  }
+  // 1: 7 <= 20. 2: 7 + 7 + 1 (1's page to grow into) = 15 <= 20. 3: 14 + 7 + 2 = 23 > 20.
+  EXPECT_EQ(s.Admit(20), (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(s.running(), 2);
+  EXPECT_EQ(s.waiting(), 1);
+  // With the two holding 15 pages, 5 are free: 7 + 2 > 5.
+  EXPECT_TRUE(s.Admit(5).empty());
+  EXPECT_EQ(s.Admit(9), (std::vector<uint64_t>{3}));  // 7 + 2 <= 9
+  // A large request at the head blocks a small one behind it.
+  Scheduler f(Config());
+  ASSERT_TRUE(f.Enqueue(Req(1, 250, 10, Kv(CachePolicy::kFull, 1))).ok());  // 16 pages
+  ASSERT_TRUE(f.Enqueue(Req(2, 10, 10, Kv(CachePolicy::kFull, 1))).ok());   // 1 page
+  EXPECT_TRUE(f.Admit(15).empty()) << "FIFO: 2 would fit but may not overtake 1";
+  EXPECT_EQ(f.Admit(20), (std::vector<uint64_t>{1, 2}));
+}
+
+// Elastic's compression shows in admission through the pages actually free: a pool of 100
+// pages, requests of a 160-token prompt (10 pages while it prefills). After its prefill a Full
+// request holds its 10 pages, an Elastic 0.2 one 3 (32 + 1 entries); each round admits against
+// what is free then.
+TEST(Scheduler, CompressionAdmitsMoreRequestsThroughFreePages) {
   SchedulerConfig c = Config(64, 64);
-  c.kv_budget_bytes = 4 * 700 * 2 * 100;  // 2800 entries per layer
+  c.pool_pages = 100;
   Scheduler full(c), elastic(c);
   for (uint64_t i = 0; i < 40; ++i) {
-    ASSERT_TRUE(full.Enqueue({i, 600, 100, Kv(CachePolicy::kFull, 1)}).ok());
-    ASSERT_TRUE(elastic.Enqueue({i, 600, 100, Kv(CachePolicy::kElastic, 0.2)}).ok());
+    ASSERT_TRUE(full.Enqueue(Req(i, 160, 64, Kv(CachePolicy::kFull, 1))).ok());
+    ASSERT_TRUE(elastic.Enqueue(Req(i, 160, 64, Kv(CachePolicy::kElastic, 0.2))).ok());
   }
-  EXPECT_EQ(full.Admit().size(), 4u);
-  EXPECT_TRUE(full.Admit().empty());
-  size_t admitted = 0;
-  for (int round = 0; round < 40; ++round) {
-    for (uint64_t id : elastic.Admit()) {
-      elastic.PrefillDone(id);  // as the engine does once the prompt is fed and merged
-      ++admitted;
+  auto run = [](Scheduler* s, int64_t held_each) {
+    int64_t held = 0;
+    std::vector<size_t> rounds;
+    for (int round = 0; round < 10; ++round) {
+      const std::vector<uint64_t> ids = s->Admit(100 - held);
+      if (ids.empty()) break;
+      rounds.push_back(ids.size());
+      held += held_each * static_cast<int64_t>(ids.size());
     }
-  }
-  // Steady 140 entries each: 20 x 140 = 2800; the last rounds are limited by the 600-token
-  // transient of the prefill.
-  EXPECT_GE(admitted, 16u);
-  EXPECT_LE(elastic.reserved_bytes(), c.kv_budget_bytes);
+    return rounds;
+  };
+  // The k-th request of a round needs 10 (k + 1) prompt pages + a watermark page per running
+  // request within what is free: 9 in the first round (9 x 10 + 8 = 98 <= 100), then Full has
+  // 10 free pages for 10 + 9; Elastic 73, 58, 46, 40, 37, 34 for 5, 4, 2, 1, 1, 1 more.
+  EXPECT_EQ(run(&full, 10), (std::vector<size_t>{9}));
+  EXPECT_EQ(run(&elastic, 3), (std::vector<size_t>{9, 5, 4, 2, 1, 1, 1}));
 }
 
-// With chunked prefill a request keeps its whole prompt for several turns: its reservation
-// stays at the prompt size until PrefillDone, and later rounds see it.
-TEST(Scheduler, PromptTransientIsHeldUntilPrefillDone) {
-  SchedulerConfig c = Config(64, 64);
-  c.kv_budget_bytes = 1000 * 2 * 100;  // 1000 entries per layer
+// A preempted request waits first in line with its prompt and answer so far as its prompt, and
+// is re-admitted before anything that was waiting.
+TEST(Scheduler, PreemptedRequestsComeBackFirst) {
+  Scheduler s(Config());
+  ASSERT_TRUE(s.Enqueue(Req(1, 50, 100, Kv(CachePolicy::kFull, 1))).ok());  // 4 pages
+  ASSERT_TRUE(s.Enqueue(Req(2, 50, 100, Kv(CachePolicy::kFull, 1))).ok());
+  EXPECT_EQ(s.Admit(20), (std::vector<uint64_t>{1, 2}));
+  ASSERT_TRUE(s.Enqueue(Req(3, 10, 10, Kv(CachePolicy::kFull, 1))).ok());
+  EXPECT_TRUE(s.Preempt(2, 50 + 40, 60));  // 40 tokens generated: 90 rows = 6 pages
+  EXPECT_EQ(s.preemptions(), 1);
+  EXPECT_EQ(s.running(), 1);
+  EXPECT_EQ(s.waiting(), 2);
+  EXPECT_TRUE(s.Admit(6).empty()) << "6 pages + a watermark of 1 > 6";
+  EXPECT_EQ(s.Admit(8), (std::vector<uint64_t>{2}));
+  EXPECT_FALSE(s.Preempt(9, 10, 10)) << "not running";
+  EXPECT_FALSE(s.Preempt(1, 400, 10)) << "400 rows could never fit the 20 pages";
+  EXPECT_EQ(s.running(), 2);
+  EXPECT_TRUE(s.Remove(2));
+  EXPECT_TRUE(s.Remove(3));  // waiting
+  EXPECT_FALSE(s.Remove(3));
+}
+
+// The share of growth: Full 100 + 200 tokens holds 7 pages after its prompt and grows by 12
+// more (19). At ratio 1 admission keeps room for every running request's whole answer; the
+// ratio falls with every admission round (here by 0.25) to its floor (0.5), so a pool whose
+// requests stop early takes more; a preemption raises it again.
+TEST(Scheduler, GrowthShareAdaptsToPreemptions) {
+  SchedulerConfig c = Config();
+  c.pool_pages = 40;
+  c.initial_growth_ratio = 1.0;
+  c.min_growth_ratio = 0.5;
+  c.growth_ratio_decay = 0.25;
   Scheduler s(c);
-  for (uint64_t i = 0; i < 3; ++i) {
-    ASSERT_TRUE(s.Enqueue({i, 600, 100, Kv(CachePolicy::kElastic, 0.2)}).ok());  // steady 140 + 1
+  const SchedRequest r = Req(1, 100, 200, Kv(CachePolicy::kFull, 1));
+  EXPECT_EQ(s.SteadyPages(r), 19);
+  EXPECT_EQ(s.GrowthPages(r), 12);
+  EXPECT_EQ(s.GrowthPages(Req(2, 200, 100, Kv(CachePolicy::kElastic, 0.2))), 0);
+  for (uint64_t id = 1; id <= 4; ++id) {
+    ASSERT_TRUE(s.Enqueue(Req(id, 100, 200, Kv(CachePolicy::kFull, 1))).ok());
   }
-  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{0}));  // two prompts of 600 would not fit
-  EXPECT_EQ(s.reserved_bytes(), 600 * 200);
-  EXPECT_TRUE(s.Admit().empty()) << "request 0 still holds its whole prompt";
-  s.PrefillDone(0);
-  s.PrefillDone(0);  // repeated: ignored
-  s.PrefillDone(7);  // unknown: ignored
-  EXPECT_EQ(s.reserved_bytes(), 141 * 200);
-  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{1}));  // 141 + 600 fits, 141 + 1200 does not
-  EXPECT_TRUE(s.Remove(1));                          // cancelled while prefilling
-  EXPECT_EQ(s.reserved_bytes(), 141 * 200);
-  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2}));
+  // Ratio 1: 1 needs 7 + 12 = 19 <= 40; 2: 14 + 1 + 24 = 39 <= 40; 3: 21 + 2 + 36 > 40.
+  EXPECT_EQ(s.Admit(40), (std::vector<uint64_t>{1, 2}));
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.75);
+  // 1 and 2 hold 20 pages and grow by 18 more: 3 needs 7 + 2 + ceil(0.75 x 30) = 32 > 20.
+  EXPECT_TRUE(s.Admit(20, 18).empty());
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.5);
+  // At the floor: 7 + 2 + ceil(0.5 x 30) = 24 <= 24.
+  EXPECT_EQ(s.Admit(24, 18), (std::vector<uint64_t>{3}));
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.5);
+  ASSERT_TRUE(s.Preempt(3, 120, 180));
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 1.0);
 }
 
 TEST(Scheduler, RefusesWhatCanNeverFitAndBoundsTheQueue) {
   Scheduler s(Config(8, 2));
-  Status too_big = s.Enqueue({1, 400, 200, Kv(CachePolicy::kFull, 1)});  // 600 > 500 entries
+  Status too_big = s.Enqueue(Req(1, 200, 200, Kv(CachePolicy::kFull, 1)));  // 25 > 20 pages
   EXPECT_EQ(too_big.code(), StatusCode::kResourceExhausted);
   EXPECT_NE(too_big.message().find("KV cache"), std::string::npos);
-  ASSERT_TRUE(s.Enqueue({2, 10, 10, Kv(CachePolicy::kFull, 1)}).ok());
-  ASSERT_TRUE(s.Enqueue({3, 10, 10, Kv(CachePolicy::kFull, 1)}).ok());
-  EXPECT_EQ(s.Enqueue({4, 10, 10, Kv(CachePolicy::kFull, 1)}).code(),
+  EXPECT_NE(too_big.message().find("5000"), std::string::npos) << too_big.message();  // 25 x 200
+  // The same at Elastic 0.2 fits: 13 pages of prompt, then 81 entries.
+  ASSERT_TRUE(s.Enqueue(Req(2, 200, 200, Kv(CachePolicy::kElastic, 0.2))).ok());
+  ASSERT_TRUE(s.Enqueue(Req(3, 10, 10, Kv(CachePolicy::kFull, 1))).ok());
+  EXPECT_EQ(s.Enqueue(Req(4, 10, 10, Kv(CachePolicy::kFull, 1))).code(),
             StatusCode::kResourceExhausted);
   EXPECT_TRUE(s.Remove(3));  // a waiting request can be cancelled
   EXPECT_FALSE(s.Remove(3));
-  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2}));
-}
-
-// With pages of 16 slots a reservation is whole pages: Full 200 + 100 -> 300 entries -> 19
-// pages (304 slots); Elastic 0.2 -> 60 + 1 -> 4 pages (64); a 200-token prompt -> 13 (208).
-TEST(Scheduler, ReservesWholePages) {
-  SchedulerConfig c = Config();
-  c.page_entries = 16;
-  Scheduler s(c);
-  EXPECT_EQ(s.SteadyBytes({1, 200, 100, Kv(CachePolicy::kFull, 1)}), 304 * 200);
-  EXPECT_EQ(s.SteadyBytes({2, 200, 100, Kv(CachePolicy::kElastic, 0.2)}), 64 * 200);
-  EXPECT_EQ(s.PrefillBytes({2, 200, 100, Kv(CachePolicy::kElastic, 0.2)}), 208 * 200);
-  EXPECT_EQ(s.PageBytes(0), 0);
-  EXPECT_EQ(s.PageBytes(16), 16 * 200);
-  EXPECT_EQ(s.PageBytes(17), 32 * 200);
+  EXPECT_EQ(s.Admit(20), (std::vector<uint64_t>{2}));
 }
 
 TEST(Scheduler, BatchLimit) {
   Scheduler s(Config(2, 8));
   for (uint64_t i = 0; i < 4; ++i)
-    ASSERT_TRUE(s.Enqueue({i, 10, 10, Kv(CachePolicy::kFull, 1)}).ok());
-  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{0, 1}));
+    ASSERT_TRUE(s.Enqueue(Req(i, 10, 10, Kv(CachePolicy::kFull, 1))).ok());
+  EXPECT_EQ(s.Admit(20), (std::vector<uint64_t>{0, 1}));
   EXPECT_TRUE(s.Remove(0));
-  EXPECT_EQ(s.Admit(), (std::vector<uint64_t>{2}));
+  EXPECT_EQ(s.Admit(20), (std::vector<uint64_t>{2}));
 }
 
 }  // namespace

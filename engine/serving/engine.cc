@@ -27,18 +27,29 @@ struct Engine::Pending {
   std::shared_ptr<RequestObserver> observer;
   std::optional<Clock::time_point> deadline;
   Clock::time_point submitted;
+  int64_t steady_pages = 0;  // Scheduler::SteadyPages: the most pages it holds after its prompt
 };
 
 // An admitted request: its cache and decoding state. Engine thread only.
 struct Engine::Sequence {
   std::unique_ptr<Pending> req;
-  std::unique_ptr<KvCache> cache;
+  std::unique_ptr<KvCache> cache;  // null while preempted
   std::unique_ptr<DecodeState> state;
   GenerationResult result;  // counters filled as it runs
   Clock::time_point admitted;
   bool first_token_seen = false;
-  at::Tensor prompt_embeds;  // [T, D] while the prompt is fed in chunks; released after
+  at::Tensor prompt_embeds;  // [rows, D] while the prompt is fed in chunks; released after
   int64_t prefilled = 0;     // prompt rows fed so far
+  // Preemption (recompute): its pages went back to the pool and it waits to be re-admitted;
+  // then its prompt rows are its own prompt and the `resume_tokens` tokens it had generated.
+  bool preempted = false;
+  int64_t resume_tokens = 0;
+  KvStats kv_before_preemption;
+
+  // Rows fed as the prompt: the request's own, plus the generated tokens after a preemption.
+  int64_t PromptRows() const {
+    return static_cast<int64_t>(req->prepared.prompt.ids.size()) + resume_tokens;
+  }
 };
 
 Engine::Engine(const ModelRunner& model, const EngineOptions& options)
@@ -47,11 +58,11 @@ Engine::Engine(const ModelRunner& model, const EngineOptions& options)
       pool_(std::make_unique<KvPool>(model.kv_layout(), options.kv_cache_bytes)),
       scheduler_([&] {
         SchedulerConfig c;
-        const KvLayout layout = model.kv_layout();
-        c.kv_budget_bytes = pool_->bytes();
-        c.bytes_per_entry = layout.bytes_per_entry();
+        c.pool_pages = pool_->num_pages();
         c.page_entries = pool_->page_rows();
-        c.num_layers = layout.num_layers;
+        c.page_bytes = pool_->page_bytes();
+        c.initial_growth_ratio = options.initial_growth_ratio;
+        c.min_growth_ratio = options.min_growth_ratio;
         c.max_batch = options.max_batch;
         c.max_queue = options.max_queue;
         return c;
@@ -101,6 +112,7 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
   sr.kv = request.kv_cache;
   sr.segments = p->prepared.segments;
   LLAVA_RETURN_IF_ERROR(scheduler_.Enqueue(sr));
+  p->steady_pages = scheduler_.SteadyPages(sr);
   pending_[id] = std::move(p);
   snapshot_.waiting = scheduler_.waiting();
   cv_.notify_one();
@@ -142,6 +154,7 @@ EngineSnapshot Engine::Snapshot() const {
 void Engine::Loop() {
   while (true) {
     std::vector<std::unique_ptr<Pending>> admitted, dropped;  // dropped: cancelled or expired
+    std::vector<uint64_t> resumed;                            // preempted, admitted again
     std::vector<Status> dropped_status;
     std::unordered_set<uint64_t> cancel_running;
     bool drain_expired = false, exit_loop = false;
@@ -172,9 +185,22 @@ void Engine::Loop() {
       }
       cancel_running.swap(cancelled_);
       if (!drain_expired) {
-        for (uint64_t id : scheduler_.Admit()) {
-          admitted.push_back(std::move(pending_[id]));
-          pending_.erase(id);
+        // (The pool and the caches belong to the engine thread, which this is.)
+        int64_t growth = 0;  // what the running requests still grow by
+        for (const auto& seq : running_) {
+          if (!seq->cache || seq->state->done()) continue;
+          growth +=
+              std::max<int64_t>(0, seq->req->steady_pages -
+                                       seq->cache->Stats().bytes_allocated / pool_->page_bytes());
+        }
+        for (uint64_t id : scheduler_.Admit(pool_->pages().free_pages(), growth)) {
+          auto it = pending_.find(id);
+          if (it == pending_.end()) {  // a preempted request, re-admitted
+            resumed.push_back(id);
+            continue;
+          }
+          admitted.push_back(std::move(it->second));
+          pending_.erase(it);
           running_ids_.push_back(id);
         }
       }
@@ -220,6 +246,13 @@ void Engine::Loop() {
         running_.push_back(std::move(seq));
       }
     }
+    for (uint64_t id : resumed) {
+      for (auto& seq : running_) {
+        if (seq->req->id != id || !seq->preempted) continue;
+        seq->preempted = false;
+        seq->cache = NewKvCache(pool_.get(), seq->req->kv, seq->req->prepared.segments);
+      }
+    }
     // New prompts ride in the same forward pass as the running requests' next token: the
     // weights are read once per turn, and with a prompt-row budget (prefill_chunk) a long
     // prompt is spread over several turns instead of stalling every stream for its whole length.
@@ -261,8 +294,8 @@ void Engine::Step() {
   std::vector<PromptPart> prompts;
   std::vector<Sequence*> decoding;
   for (auto& seq : running_) {
-    if (seq->state->done()) continue;
-    const int64_t len = static_cast<int64_t>(seq->req->prepared.prompt.ids.size());
+    if (seq->state->done() || seq->preempted) continue;
+    const int64_t len = seq->PromptRows();
     if (seq->prefilled < len) {
       // The oldest unfinished prompt always gets rows, so no prompt starves.
       const int64_t n = std::min(len - seq->prefilled, rows_left);  // rows_left >= 0
@@ -272,19 +305,28 @@ void Engine::Step() {
       decoding.push_back(seq.get());
     }
   }
-  // The pages this pass writes, reserved before it runs (admission has set them aside, so a
-  // refusal here is a broken reservation: it ends that request alone).
-  auto reserve = [&](Sequence* seq, int64_t n) {
-    if (seq->cache->Reserve(n)) return true;
-    seq->state->Abort(FinishReason::kError);
-    Finish(seq, Internal("the KV pool has no free page for a reserved request"));
-    return false;
-  };
+  // The pages this pass writes, oldest request first. When the pool is short, the most recently
+  // admitted request still running gives its pages back (Preempt), possibly the one asking.
+  std::vector<std::pair<Sequence*, int64_t>> needs;
+  for (const PromptPart& part : prompts) needs.emplace_back(part.seq, part.n);
+  for (Sequence* seq : decoding) needs.emplace_back(seq, 1);
+  std::sort(needs.begin(), needs.end(), [&](const auto& a, const auto& b) {
+    return AdmissionRank(a.first) < AdmissionRank(b.first);
+  });
+  for (const auto& [seq, n] : needs) {
+    while (!seq->preempted && !seq->cache->Reserve(n)) {
+      Sequence* victim = nullptr;
+      for (auto it = running_.rbegin(); it != running_.rend() && victim == nullptr; ++it) {
+        if (*it && !(*it)->preempted && !(*it)->state->done()) victim = it->get();
+      }
+      Preempt(victim);
+    }
+  }
   prompts.erase(std::remove_if(prompts.begin(), prompts.end(),
-                               [&](const PromptPart& p) { return !reserve(p.seq, p.n); }),
+                               [](const PromptPart& p) { return p.seq->preempted; }),
                 prompts.end());
   decoding.erase(
-      std::remove_if(decoding.begin(), decoding.end(), [&](Sequence* s) { return !reserve(s, 1); }),
+      std::remove_if(decoding.begin(), decoding.end(), [](Sequence* s) { return s->preempted; }),
       decoding.end());
   if (prompts.empty() && decoding.empty()) return;
   try {
@@ -294,6 +336,13 @@ void Engine::Step() {
       const PreparedRequest& p = seq->req->prepared;
       if (!seq->prompt_embeds.defined()) {  // first chunk: encode the images, embed the prompt
         seq->prompt_embeds = model_.EmbedPrompt(p, &seq->result.vision_seconds);
+        if (seq->resume_tokens > 0) {  // recompute after a preemption: the answer so far too
+          const std::vector<int>& t = seq->state->tokens();
+          const at::Tensor answer =
+              model_.EmbedTokens(std::vector<int64_t>(t.begin(), t.begin() + seq->resume_tokens));
+          seq->prompt_embeds =
+              at::cat({seq->prompt_embeds, answer.to(seq->prompt_embeds.device())});
+        }
       }
       SequenceChunk c{seq->prompt_embeds.narrow(0, part.begin, part.n), seq->cache->NextPosition(),
                       seq->cache.get(), false};
@@ -317,12 +366,11 @@ void Engine::Step() {
       seq->prefilled += prompts[i].n;
       if (chunks[i].prompt_continues) continue;  // the row of a partial prompt predicts nothing
       seq->prompt_embeds = at::Tensor();         // the cache holds the prompt now
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        scheduler_.PrefillDone(seq->req->id);
-      }
       const std::string delta = seq->state->Step(row, vocab);
-      seq->result.ttft_seconds = Seconds(seq->req->submitted, Clock::now());
+      if (!seq->first_token_seen) {
+        seq->first_token_seen = true;
+        seq->result.ttft_seconds = Seconds(seq->req->submitted, Clock::now());
+      }
       if (!delta.empty()) seq->req->observer->OnText(delta);
     }
     for (Sequence* seq : decoding) {
@@ -340,6 +388,36 @@ void Engine::Step() {
       seq->state->Abort(FinishReason::kError);
       Finish(seq, Internal(std::string("model failure: ") + e.what_without_backtrace()));
     }
+  }
+}
+
+int64_t Engine::AdmissionRank(const Sequence* seq) const {
+  for (size_t i = 0; i < running_.size(); ++i) {
+    if (running_[i].get() == seq) return static_cast<int64_t>(i);
+  }
+  return static_cast<int64_t>(running_.size());
+}
+
+void Engine::Preempt(Sequence* seq) {
+  seq->kv_before_preemption = seq->cache->Stats();
+  seq->cache.reset();  // its pages go back to the pool now
+  seq->prompt_embeds = at::Tensor();
+  seq->prefilled = 0;
+  seq->resume_tokens = static_cast<int64_t>(seq->state->tokens().size());
+  seq->preempted = true;
+  bool queued;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queued = scheduler_.Preempt(
+        seq->req->id, seq->PromptRows(),
+        std::max<int64_t>(0, seq->req->sampling.max_tokens - seq->resume_tokens));
+    if (queued) ++preemptions_;
+  }
+  if (!queued) {  // its prompt and answer so far no longer fit the whole pool
+    seq->state->Abort(FinishReason::kError);
+    Finish(seq, ResourceExhausted("the request was preempted and its prompt and answer so far (" +
+                                  std::to_string(seq->PromptRows()) +
+                                  " tokens) no longer fit the KV pool"));
   }
 }
 
@@ -363,22 +441,24 @@ void Engine::Finish(Sequence* seq, StatusOr<GenerationResult> result) {
   r.image_tokens = static_cast<int>(seq->req->prepared.prompt.image_offsets.size()) *
                    seq->req->prepared.prompt.image_rows;
   r.completion_tokens = static_cast<int>(r.tokens.size());
-  r.kv = seq->cache->Stats();
+  r.kv = seq->cache ? seq->cache->Stats() : seq->kv_before_preemption;
   r.total_seconds = Seconds(seq->req->submitted, Clock::now());
   completions_.emplace_back(std::move(observer), r);
 }
 
 void Engine::UpdateSnapshotLocked() {
   snapshot_.waiting = scheduler_.waiting();
-  snapshot_.running = static_cast<int>(running_.size());
-  snapshot_.kv_bytes_reserved = scheduler_.reserved_bytes();
+  snapshot_.running = scheduler_.running();
+  snapshot_.preemptions = preemptions_;
   int64_t kept = 0, full = 0;
   for (const auto& seq : running_) {
+    if (!seq->cache) continue;
     const KvStats s = seq->cache->Stats();
     kept += s.bytes_kept;
     full += s.full_equivalent_bytes;
   }
   snapshot_.kv_bytes_used = pool_->used_bytes();
+  snapshot_.kv_bytes_reserved = snapshot_.kv_bytes_used;  // nothing is reserved ahead
   snapshot_.kv_bytes_kept = kept;
   snapshot_.kv_bytes_full_equivalent = full;
 }

@@ -45,6 +45,10 @@ struct EngineOptions {
   // vLLM's max_num_batched_tokens); 0 = every prompt whole in its admission turn. A turn with
   // a long prompt otherwise delays every running stream's next token by its whole prefill.
   int64_t prefill_chunk = 0;
+  // The share of the running requests' remaining growth that admission keeps free: where it
+  // starts and its floor (SchedulerConfig, scheduler.h). 0 and 0: admit by prompts alone.
+  double initial_growth_ratio = 1.0;
+  double min_growth_ratio = 0.1;
 };
 
 // Receives one request's output, on the engine thread: it must not block.
@@ -66,11 +70,12 @@ struct EngineSnapshot {
   int64_t kv_bytes_used = 0;             // pool pages in use, all requests (physical)
   int64_t kv_bytes_kept = 0;             // entries actually held, all requests (logical)
   int64_t kv_bytes_full_equivalent = 0;  // what Full would hold for the same requests
-  int64_t kv_bytes_reserved = 0;         // admission reservations
+  int64_t kv_bytes_reserved = 0;         // handed out by admission: the pages in use
   int64_t kv_budget_bytes = 0;           // what admission hands out: the pool's bytes
   int64_t kv_pool_bytes = 0;             // the pool, allocated at start
   int last_batch_size = 0;
-  int max_batch = 0;  // EngineOptions::max_batch: the most sequences one decode step runs
+  int max_batch = 0;        // EngineOptions::max_batch: the most sequences one decode step runs
+  int64_t preemptions = 0;  // requests that gave their pages back to be recomputed, ever
 };
 
 // What the network layer needs from an engine; lets the gRPC layer be tested against a
@@ -126,6 +131,11 @@ class Engine final : public EngineApi {
   // over all rows at once.
   void Step();
   void Finish(Sequence* seq, StatusOr<GenerationResult> result);
+  // Frees `seq`'s pages and sends it back to the queue, first in line, to be recomputed from its
+  // prompt and the tokens it generated (which stay streamed; it continues after them).
+  void Preempt(Sequence* seq);
+  // Position of `seq` in running_ (admission order).
+  int64_t AdmissionRank(const Sequence* seq) const;
   Status CheckIdFreeLocked(uint64_t id) const;  // INVALID_ARGUMENT if `id` is live
   void UpdateSnapshotLocked();
 
@@ -146,6 +156,7 @@ class Engine final : public EngineApi {
 
   std::vector<std::unique_ptr<Sequence>> running_;  // engine thread only
   std::vector<uint64_t> running_ids_;               // guarded by mu_ (for Submit's id check)
+  int64_t preemptions_ = 0;                         // guarded by mu_
   // Ends recorded this loop turn, delivered after caches are freed. Engine thread only.
   std::vector<std::pair<std::shared_ptr<RequestObserver>, StatusOr<GenerationResult>>> completions_;
   std::thread thread_;

@@ -1,18 +1,27 @@
-// Admission control for continuous batching, by KV pool pages. Torch-free, so every decision is
-// testable exactly (vLLM's habit: the scheduler decides, the cache manager accounts).
+// Admission control for continuous batching, by KV pool pages actually free. Torch-free, so
+// every decision is testable exactly (vLLM's habit: the scheduler decides, the cache manager
+// accounts).
 //
-// Each running request reserves the pool pages it can hold at once: its steady-state entries
-// (EntryTarget(T + G) per layer for a compressing policy, plus the one entry a decode step
-// appends before the policy evicts; T + G for Full), rounded up to whole pages of
-// `page_entries` slots, x layers x bytes per entry. While a request prefills it holds its whole
-// prompt (T entries per layer) before compressing: until the engine reports PrefillDone, its
-// reservation is the larger of the two, and admission checks that this transient fits too.
-// (Without chunked prefill a request's prompt is done in its admission turn; with it, over
-// several turns.) Waiting requests are admitted in FIFO order while both fit and the batch has
-// room; a request that could never fit alone is refused at enqueue time. No preemption. The
-// reservations never exceed the pool, so a reserved cache always gets its pages.
+// Rules:
+// - A request is refused at Enqueue when the queue is full or when the most pages it can hold
+//   at once (PeakPages: its whole prompt while it prefills; then, for Full, prompt + max_tokens
+//   entries, and for a compressing policy its target for prompt + max_tokens plus the entry a
+//   decode step appends before it evicts) exceed the whole pool: it could never finish.
+// - Waiting requests are admitted in FIFO order (no overtaking) while the batch has room and the
+//   pool's free pages hold their prompts (PromptPages), a watermark of one page per running
+//   request, and a share of the growth still ahead of every running request and of the new one
+//   (the pages between what each holds and its steady-state peak, times growth_ratio()).
+//   Nothing is reserved: a request that stops after 20 of 2,048 tokens only ever held 20
+//   tokens' pages. The share adapts as SGLang's new-token ratio does: it starts at
+//   initial_growth_ratio, falls by growth_ratio_decay with every admission round, and rises
+//   again with every preemption, so a load whose answers stop early admits more and more, and
+//   one whose answers run to max_tokens preempts rarely.
+// - Running requests grow page by page as their caches do. When a step finds the pool short,
+//   the engine preempts the most recently admitted running request (Preempt): its pages go back
+//   and it returns to the front of the queue, to be recomputed from its prompt and the tokens
+//   it has generated so far (vLLM's recompute preemption).
 //
-// Thread safety: not thread-safe; the engine thread owns it.
+// Thread safety: not thread-safe; the engine owns it (under its mutex).
 #pragma once
 
 #include <cstdint>
@@ -26,12 +35,14 @@
 namespace llava {
 
 struct SchedulerConfig {
-  int64_t kv_budget_bytes = int64_t{4} << 30;
-  int64_t bytes_per_entry = 0;  // one entry of one layer (K and V)
-  int64_t page_entries = 1;     // slots per pool page: reservations are whole pages
-  int num_layers = 0;
-  int max_batch = 8;   // running requests at most
-  int max_queue = 64;  // waiting requests at most
+  int64_t pool_pages = 0;     // pages in the KV pool
+  int64_t page_entries = 16;  // token slots per page (in every layer)
+  int64_t page_bytes = 0;     // bytes of one page, all layers (for messages)
+  int max_batch = 8;          // running requests at most
+  int max_queue = 64;         // waiting requests at most
+  double initial_growth_ratio = 1.0;
+  double min_growth_ratio = 0.1;
+  double growth_ratio_decay = 0.002;  // per Admit call
 };
 
 struct SchedRequest {
@@ -51,36 +62,43 @@ class Scheduler {
  public:
   explicit Scheduler(const SchedulerConfig& config) : config_(config) {}
 
-  int64_t SteadyBytes(const SchedRequest& r) const;
-  int64_t PrefillBytes(const SchedRequest& r) const;  // the whole prompt, before compression
-  // Bytes of the whole pages that hold `entries` slots in every layer.
-  int64_t PageBytes(int64_t entries) const;
-  // RESOURCE_EXHAUSTED when the queue is full or the request alone exceeds the budget.
+  // Pages that hold `entries` slots.
+  int64_t PagesFor(int64_t entries) const;
+  int64_t PromptPages(const SchedRequest& r) const { return PagesFor(r.prompt_tokens); }
+  int64_t PeakPages(const SchedRequest& r) const;
+  // Pages of the most entries a request holds once its prompt is in (Full: prompt + max_tokens;
+  // a compressing policy: its target for that plus the entry a step appends before it evicts).
+  int64_t SteadyPages(const SchedRequest& r) const;
+  // What the request still grows by after its prompt: SteadyPages - PromptPages, or 0.
+  int64_t GrowthPages(const SchedRequest& r) const;
+
+  // RESOURCE_EXHAUSTED when the queue is full or the request could never fit the pool alone.
   Status Enqueue(const SchedRequest& r);
-  // Moves waiting requests to running, FIFO, while they fit; returns their ids in order.
-  std::vector<uint64_t> Admit();
-  // The request's whole prompt has been fed and compressed: its reservation drops to the
-  // steady-state bytes. Unknown ids and repeated calls are ignored.
-  void PrefillDone(uint64_t id);
-  // Frees a running request's reservation, or drops a waiting one. False if unknown.
+  // Moves waiting requests to running, FIFO, while their prompts fit in `free_pages` (the
+  // pool's free pages now) above the watermark and the running requests' share of growth;
+  // `growth_pages`: the pages the running requests still grow by, summed (their SteadyPages
+  // less what they hold). Returns their ids in order.
+  std::vector<uint64_t> Admit(int64_t free_pages, int64_t growth_pages = 0);
+  // A running request gave its pages back: it waits again, first in line, to be re-admitted
+  // with a prompt of `prompt_tokens` (its own and the tokens generated so far) and
+  // `max_tokens` left. False, and nothing changed, if `id` is not running or that prompt would
+  // not fit the whole pool.
+  bool Preempt(uint64_t id, int64_t prompt_tokens, int64_t max_tokens);
+  // Drops a running or waiting request. False if unknown.
   bool Remove(uint64_t id);
 
   int waiting() const { return static_cast<int>(waiting_.size()); }
   int running() const { return static_cast<int>(running_.size()); }
-  // Steady-state reservations plus the prompt transients of requests still prefilling.
-  int64_t reserved_bytes() const { return reserved_ + prefill_extra_; }
+  int64_t preemptions() const { return preemptions_; }
+  double growth_ratio() const { return growth_ratio_; }
   const SchedulerConfig& config() const { return config_; }
 
  private:
   SchedulerConfig config_;
   std::deque<SchedRequest> waiting_;
-  struct Reservation {
-    int64_t steady = 0;
-    int64_t prefill_extra = 0;  // max(0, prompt - steady) until PrefillDone
-  };
-  std::unordered_map<uint64_t, Reservation> running_;
-  int64_t reserved_ = 0;       // sum of steady
-  int64_t prefill_extra_ = 0;  // sum of prefill_extra
+  std::unordered_map<uint64_t, SchedRequest> running_;
+  int64_t preemptions_ = 0;
+  double growth_ratio_ = config_.initial_growth_ratio;
 };
 
 }  // namespace llava
