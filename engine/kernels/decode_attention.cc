@@ -40,6 +40,18 @@ struct HeadRows {
   int64_t Rows(int64_t i) const { return std::min(page_rows, len - i * page_rows); }
   const KV* K(int64_t i) const { return k + pages[i] * page_stride; }
   const KV* V(int64_t i) const { return v + pages[i] * page_stride; }
+  // Asks for page i + 1's keys (values) while page i is read: its rows are a short run at an
+  // address the hardware prefetcher cannot guess (pages are scattered over the pool).
+  void PrefetchNextK(int64_t i) const { PrefetchNext(K(std::min(i + 1, NumPages() - 1)), ks, i); }
+  void PrefetchNextV(int64_t i) const { PrefetchNext(V(std::min(i + 1, NumPages() - 1)), vs, i); }
+
+ private:
+  void PrefetchNext(const KV* next, int64_t stride, int64_t i) const {
+    if (i + 1 >= NumPages()) return;
+    const char* p = reinterpret_cast<const char*>(next);
+    const int64_t bytes = Rows(i + 1) * stride * static_cast<int64_t>(sizeof(KV));
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
 };
 
 // The `g` query heads that share one KV head against one cache: scores (softmax probabilities
@@ -52,6 +64,7 @@ inline __attribute__((always_inline)) void Group(const float* q, int64_t g, cons
   const int64_t len = c.len;
   for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
     const KV* k = c.K(pg);
+    c.PrefetchNextK(pg);
     for (int64_t r = 0, j = c.First(pg); r < c.Rows(pg); ++r, ++j) {
       const KV* kj = k + r * c.ks;
 #pragma omp simd
@@ -69,6 +82,7 @@ inline __attribute__((always_inline)) void Group(const float* q, int64_t g, cons
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
   for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
     const KV* v = c.V(pg);
+    c.PrefetchNextV(pg);
     for (int64_t r = 0, j = c.First(pg); r < c.Rows(pg); ++r, ++j) {
       const KV* vj = v + r * c.vs;
 #pragma omp simd
@@ -234,6 +248,7 @@ __attribute__((target("avx512f"))) void GroupAvx512(const float* q, const uint16
   asm("" : "+r"(buf));
   const int64_t len = c.len;
   for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
+    c.PrefetchNextK(pg);
     bool scored = false;
     if constexpr (std::is_same_v<KV, uint16_t> && CH % 2 == 0) {
       if (qb != nullptr) {
@@ -247,6 +262,7 @@ __attribute__((target("avx512f"))) void GroupAvx512(const float* q, const uint16
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
   for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
     const KV* v = c.V(pg);
+    c.PrefetchNextV(pg);
     const int64_t rows = c.Rows(pg);
     for (int64_t j0 = 0; j0 < rows; j0 += 16) {
       const int64_t nb = std::min<int64_t>(16, rows - j0);
@@ -343,6 +359,7 @@ __attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_
   const int64_t len = c.len;
   for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
     const KV* k = c.K(pg);
+    c.PrefetchNextK(pg);
     const int64_t rows = c.Rows(pg), first = c.First(pg);
     for (int64_t j0 = 0; j0 < rows; j0 += 8) {
       const int64_t nb = std::min<int64_t>(8, rows - j0);
@@ -375,6 +392,7 @@ __attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_
   constexpr int kPart = CH < 8 ? CH : 8;
   for (int64_t pg = 0; pg < c.NumPages(); ++pg) {
     const KV* v = c.V(pg);
+    c.PrefetchNextV(pg);
     const int64_t rows = c.Rows(pg), first = c.First(pg);
     for (int64_t j0 = 0; j0 < rows; j0 += 8) {
       const int64_t nb = std::min<int64_t>(8, rows - j0);
