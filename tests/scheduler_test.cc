@@ -147,34 +147,50 @@ TEST(Scheduler, PreemptedRequestsComeBackFirst) {
 }
 
 // The share of growth: Full 100 + 200 tokens holds 7 pages after its prompt and grows by 12
-// more (19). At ratio 1 admission keeps room for every running request's whole answer; the
-// ratio falls with every admission round (here by 0.25) to its floor (0.5), so a pool whose
-// requests stop early takes more; a preemption raises it again.
-TEST(Scheduler, GrowthShareAdaptsToPreemptions) {
-  SchedulerConfig c = Config();
+// more (19). At ratio 1 admission keeps room for every running request's whole answer. The
+// ratio follows the answers that finish (here each weighs 0.5 in the average, floor 0.25):
+// answers of 20 of 200 tokens bring it down and admission takes more; a preemption raises it
+// by 0.2; an answer that used all its tokens raises it too.
+TEST(Scheduler, GrowthShareLearnsFromFinishedAnswers) {
+  SchedulerConfig c = Config(8, 8);
   c.pool_pages = 40;
   c.initial_growth_ratio = 1.0;
-  c.min_growth_ratio = 0.5;
-  c.growth_ratio_decay = 0.25;
+  c.min_growth_ratio = 0.25;
+  c.growth_ratio_weight = 0.5;
   Scheduler s(c);
   const SchedRequest r = Req(1, 100, 200, Kv(CachePolicy::kFull, 1));
   EXPECT_EQ(s.SteadyPages(r), 19);
   EXPECT_EQ(s.GrowthPages(r), 12);
   EXPECT_EQ(s.GrowthPages(Req(2, 200, 100, Kv(CachePolicy::kElastic, 0.2))), 0);
-  for (uint64_t id = 1; id <= 4; ++id) {
+  for (uint64_t id = 1; id <= 6; ++id) {
     ASSERT_TRUE(s.Enqueue(Req(id, 100, 200, Kv(CachePolicy::kFull, 1))).ok());
   }
   // Ratio 1: 1 needs 7 + 12 = 19 <= 40; 2: 14 + 1 + 24 = 39 <= 40; 3: 21 + 2 + 36 > 40.
   EXPECT_EQ(s.Admit(40), (std::vector<uint64_t>{1, 2}));
-  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.75);
-  // 1 and 2 hold 20 pages and grow by 18 more: 3 needs 7 + 2 + ceil(0.75 x 30) = 32 > 20.
-  EXPECT_TRUE(s.Admit(20, 18).empty());
-  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.5);
-  // At the floor: 7 + 2 + ceil(0.5 x 30) = 24 <= 24.
-  EXPECT_EQ(s.Admit(24, 18), (std::vector<uint64_t>{3}));
-  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.5);
-  ASSERT_TRUE(s.Preempt(3, 120, 180));
-  EXPECT_DOUBLE_EQ(s.growth_ratio(), 1.0);
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 1.0) << "admitting teaches nothing";
+  EXPECT_TRUE(s.Finish(1, 20));  // 0.5 x 1 + 0.5 x 0.1
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.55);
+  EXPECT_TRUE(s.Finish(2, 20));  // 0.5 x 0.55 + 0.05 = 0.325
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.325);
+  EXPECT_FALSE(s.Finish(2, 20)) << "no longer running";
+  // An empty pool of 40: k-th request needs 7 (k + 1) + k + ceil(0.325 x 12 (k + 1)).
+  EXPECT_EQ(s.Admit(40), (std::vector<uint64_t>{3, 4, 5}));  // 7+0+4, 14+1+8, 21+2+12 = 35
+  ASSERT_TRUE(s.Preempt(5, 130, 170));
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.525);
+  EXPECT_TRUE(s.Finish(3, 200));  // all of it: 0.5 x 0.525 + 0.5
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.7625);
+  // 5 comes back first: 9 prompt pages + 1 + ceil(0.7625 x 10) = 18; then 6: 9 + 7 + 2 +
+  // ceil(0.7625 x 22) = 35. A resumed request's answer counts from its first prompt: 30
+  // generated before the preemption (prompt 100 -> 130) and 170 after make all of its 200.
+  EXPECT_EQ(s.Admit(40), (std::vector<uint64_t>{5, 6}));
+  EXPECT_TRUE(s.Finish(5, 200));
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.88125);
+  for (int i = 0; i < 20; ++i) {  // short answers bring it to its floor
+    ASSERT_TRUE(s.Enqueue(Req(100 + i, 10, 200, Kv(CachePolicy::kFull, 1))).ok());
+    ASSERT_EQ(s.Admit(40).size(), 1u);
+    ASSERT_TRUE(s.Finish(100 + i, 1));
+  }
+  EXPECT_DOUBLE_EQ(s.growth_ratio(), 0.25);
 }
 
 TEST(Scheduler, RefusesWhatCanNeverFitAndBoundsTheQueue) {

@@ -258,20 +258,33 @@ void Engine::Loop() {
     // prompt is spread over several turns instead of stalling every stream for its whole length.
     Step();
 
-    // Finished sequences: report and free their caches now.
+    // Finished sequences: report and free their caches now. Answers that ran their course
+    // (stop or length; not cancelled or failed, and not while preempted) teach admission how
+    // long answers really are.
     std::vector<uint64_t> ended;
+    std::vector<std::pair<uint64_t, int64_t>> answered;  // id, tokens generated
     for (auto& seq : running_) {
       if (seq->state->done()) {
         if (seq->req->observer) Finish(seq.get(), GenerationResult());
-        ended.push_back(seq->req->id);
+        const FinishReason why = seq->state->finish_reason();
+        if (!seq->preempted && (why == FinishReason::kStop || why == FinishReason::kLength)) {
+          answered.emplace_back(seq->req->id,
+                                static_cast<int64_t>(seq->state->tokens().size()));
+        } else {
+          ended.push_back(seq->req->id);
+        }
         seq.reset();
       }
     }
     running_.erase(std::remove(running_.begin(), running_.end(), nullptr), running_.end());
     {
       std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [id, generated] : answered) {
+        scheduler_.Finish(id, generated);
+        ended.push_back(id);
+      }
       for (uint64_t id : ended) {
-        scheduler_.Remove(id);
+        scheduler_.Remove(id);  // (a no-op for those Finish took)
         running_ids_.erase(std::remove(running_ids_.begin(), running_ids_.end(), id),
                            running_ids_.end());
       }

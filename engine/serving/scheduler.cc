@@ -45,6 +45,7 @@ Status Scheduler::Enqueue(const SchedRequest& r) {
                              " (lower sampling.max_tokens or kv_cache.budget)");
   }
   waiting_.push_back(r);
+  waiting_.back().first_prompt = r.prompt_tokens;
   return Status::Ok();
 }
 
@@ -64,7 +65,6 @@ std::vector<uint64_t> Scheduler::Admit(int64_t free_pages, int64_t growth_pages)
     running_[r.id] = r;
     waiting_.pop_front();
   }
-  growth_ratio_ = std::max(config_.min_growth_ratio, growth_ratio_ - config_.growth_ratio_decay);
   return admitted;
 }
 
@@ -79,7 +79,21 @@ bool Scheduler::Preempt(uint64_t id, int64_t prompt_tokens, int64_t max_tokens) 
   waiting_.push_front(r);
   ++preemptions_;
   // The pool ran short: admit more cautiously for a while.
-  growth_ratio_ = std::min(1.0, std::max(2 * growth_ratio_, growth_ratio_ + 0.2));
+  growth_ratio_ = std::min(1.0, growth_ratio_ + 0.2);
+  return true;
+}
+
+bool Scheduler::Finish(uint64_t id, int64_t generated) {
+  auto it = running_.find(id);
+  if (it == running_.end()) return false;
+  // After a preemption max_tokens counts what was left; `generated` counts from the start.
+  const int64_t asked = it->second.max_tokens + (it->second.prompt_tokens - it->second.first_prompt);
+  if (asked > 0) {
+    const double fraction = std::min(1.0, static_cast<double>(generated) / asked);
+    const double w = config_.growth_ratio_weight;
+    growth_ratio_ = std::max(config_.min_growth_ratio, (1 - w) * growth_ratio_ + w * fraction);
+  }
+  running_.erase(it);
   return true;
 }
 

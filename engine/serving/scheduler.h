@@ -12,10 +12,12 @@
 //   request, and a share of the growth still ahead of every running request and of the new one
 //   (the pages between what each holds and its steady-state peak, times growth_ratio()).
 //   Nothing is reserved: a request that stops after 20 of 2,048 tokens only ever held 20
-//   tokens' pages. The share adapts as SGLang's new-token ratio does: it starts at
-//   initial_growth_ratio, falls by growth_ratio_decay with every admission round, and rises
-//   again with every preemption, so a load whose answers stop early admits more and more, and
-//   one whose answers run to max_tokens preempts rarely.
+//   tokens' pages. The share is learnt from the answers themselves: it starts at
+//   initial_growth_ratio and follows a moving average (weight growth_ratio_weight) of the
+//   fraction of max_tokens that finished requests really generated, never below
+//   min_growth_ratio, and every preemption raises it by 0.2; so a load whose answers stop early
+//   admits several times the worst case, and one whose answers run to max_tokens (where
+//   preemption would only recompute) admits as if every answer will.
 // - Running requests grow page by page as their caches do. When a step finds the pool short,
 //   the engine preempts the most recently admitted running request (Preempt): its pages go back
 //   and it returns to the front of the queue, to be recomputed from its prompt and the tokens
@@ -42,7 +44,7 @@ struct SchedulerConfig {
   int max_queue = 64;         // waiting requests at most
   double initial_growth_ratio = 1.0;
   double min_growth_ratio = 0.1;
-  double growth_ratio_decay = 0.002;  // per Admit call
+  double growth_ratio_weight = 0.1;  // of each finished request in the moving average
 };
 
 struct SchedRequest {
@@ -51,6 +53,8 @@ struct SchedRequest {
   int64_t max_tokens = 0;
   CacheParams kv;
   PromptSegments segments;  // what the policy may protect (empty: unknown)
+  int64_t first_prompt = 0;  // prompt_tokens when enqueued (set by Enqueue; a preemption grows
+                             // prompt_tokens by the answer so far)
 };
 
 // Entries per layer a request holds at most after its prefill: the policy's target for T + G
@@ -86,6 +90,9 @@ class Scheduler {
   bool Preempt(uint64_t id, int64_t prompt_tokens, int64_t max_tokens);
   // Drops a running or waiting request. False if unknown.
   bool Remove(uint64_t id);
+  // A running request ended after generating `generated` tokens: dropped as by Remove, and its
+  // answer's length (against its max_tokens) goes into the growth share. False if unknown.
+  bool Finish(uint64_t id, int64_t generated);
 
   int waiting() const { return static_cast<int>(waiting_.size()); }
   int running() const { return static_cast<int>(running_.size()); }
