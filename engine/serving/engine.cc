@@ -268,8 +268,7 @@ void Engine::Loop() {
         if (seq->req->observer) Finish(seq.get(), GenerationResult());
         const FinishReason why = seq->state->finish_reason();
         if (!seq->preempted && (why == FinishReason::kStop || why == FinishReason::kLength)) {
-          answered.emplace_back(seq->req->id,
-                                static_cast<int64_t>(seq->state->tokens().size()));
+          answered.emplace_back(seq->req->id, static_cast<int64_t>(seq->state->tokens().size()));
         } else {
           ended.push_back(seq->req->id);
         }

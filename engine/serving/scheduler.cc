@@ -87,7 +87,8 @@ bool Scheduler::Finish(uint64_t id, int64_t generated) {
   auto it = running_.find(id);
   if (it == running_.end()) return false;
   // After a preemption max_tokens counts what was left; `generated` counts from the start.
-  const int64_t asked = it->second.max_tokens + (it->second.prompt_tokens - it->second.first_prompt);
+  const int64_t asked =
+      it->second.max_tokens + (it->second.prompt_tokens - it->second.first_prompt);
   if (asked > 0) {
     const double fraction = std::min(1.0, static_cast<double>(generated) / asked);
     const double w = config_.growth_ratio_weight;

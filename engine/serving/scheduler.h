@@ -52,7 +52,7 @@ struct SchedRequest {
   int64_t prompt_tokens = 0;
   int64_t max_tokens = 0;
   CacheParams kv;
-  PromptSegments segments;  // what the policy may protect (empty: unknown)
+  PromptSegments segments;   // what the policy may protect (empty: unknown)
   int64_t first_prompt = 0;  // prompt_tokens when enqueued (set by Enqueue; a preemption grows
                              // prompt_tokens by the answer so far)
 };
