@@ -305,33 +305,32 @@ void Engine::Step() {
   };
   std::vector<PromptPart> prompts;
   std::vector<Sequence*> decoding;
+  std::vector<std::pair<Sequence*, int64_t>> needs;  // rows each writes, in admission order
   for (auto& seq : running_) {
     if (seq->state->done() || seq->preempted) continue;
     const int64_t len = seq->PromptRows();
     if (seq->prefilled < len) {
       // The oldest unfinished prompt always gets rows, so no prompt starves.
       const int64_t n = std::min(len - seq->prefilled, rows_left);  // rows_left >= 0
-      if (n > 0) prompts.push_back({seq.get(), seq->prefilled, n});
+      if (n > 0) {
+        prompts.push_back({seq.get(), seq->prefilled, n});
+        needs.emplace_back(seq.get(), n);
+      }
       rows_left -= n;
     } else {
       decoding.push_back(seq.get());
+      needs.emplace_back(seq.get(), 1);
     }
   }
   // The pages this pass writes, oldest request first. When the pool is short, the most recently
   // admitted request still running gives its pages back (Preempt), possibly the one asking.
-  std::vector<std::pair<Sequence*, int64_t>> needs;
-  for (const PromptPart& part : prompts) needs.emplace_back(part.seq, part.n);
-  for (Sequence* seq : decoding) needs.emplace_back(seq, 1);
-  std::sort(needs.begin(), needs.end(), [&](const auto& a, const auto& b) {
-    return AdmissionRank(a.first) < AdmissionRank(b.first);
-  });
   for (const auto& [seq, n] : needs) {
     while (!seq->preempted && !seq->cache->Reserve(n)) {
       Sequence* victim = nullptr;
       for (auto it = running_.rbegin(); it != running_.rend() && victim == nullptr; ++it) {
-        if (*it && !(*it)->preempted && !(*it)->state->done()) victim = it->get();
+        if (!(*it)->preempted && !(*it)->state->done()) victim = it->get();
       }
-      Preempt(victim);
+      Preempt(victim);  // never null: `seq` itself qualifies
     }
   }
   prompts.erase(std::remove_if(prompts.begin(), prompts.end(),
@@ -401,13 +400,6 @@ void Engine::Step() {
       Finish(seq, Internal(std::string("model failure: ") + e.what_without_backtrace()));
     }
   }
-}
-
-int64_t Engine::AdmissionRank(const Sequence* seq) const {
-  for (size_t i = 0; i < running_.size(); ++i) {
-    if (running_[i].get() == seq) return static_cast<int64_t>(i);
-  }
-  return static_cast<int64_t>(running_.size());
 }
 
 void Engine::Preempt(Sequence* seq) {

@@ -134,8 +134,6 @@ class Engine final : public EngineApi {
   // Frees `seq`'s pages and sends it back to the queue, first in line, to be recomputed from its
   // prompt and the tokens it generated (which stay streamed; it continues after them).
   void Preempt(Sequence* seq);
-  // Position of `seq` in running_ (admission order).
-  int64_t AdmissionRank(const Sequence* seq) const;
   Status CheckIdFreeLocked(uint64_t id) const;  // INVALID_ARGUMENT if `id` is live
   void UpdateSnapshotLocked();
 
