@@ -89,10 +89,11 @@ TEST_P(PagedDecodeAttentionTest, EqualsTheContiguousCache) {
     std::vector<int32_t> table;
     for (int64_t s = 0; s < len; s += kPage) table.push_back(order[next++]);
     const at::Tensor ids = at::tensor(std::vector<int64_t>(table.begin(), table.end()), at::kLong);
+    // (The shape comes from the pool, not the structured binding: lambdas may not capture one.)
     auto gather = [&](const at::Tensor& pool) {
       return pool.index_select(0, ids)
           .permute({1, 0, 2, 3})
-          .reshape({kv_heads, -1, hd})
+          .reshape({pool.size(1), -1, pool.size(3)})
           .narrow(1, 0, len)
           .contiguous();
     };
