@@ -69,12 +69,17 @@ std::unique_ptr<llava::KvPool> PoolFor(const llava::LlavaModel& model, int64_t s
       l, pages * llava::kKvPageRows * l.num_layers * l.bytes_per_entry());
 }
 
-// One forward pass over `chunks`, each cache's pages for it reserved first.
+// One forward pass over `chunks` as the engine runs it: each cache's pages reserved first,
+// the pass committed to every cache after. Every chunk's `kv` is a KvCache.
 at::Tensor Feed(const llava::LlavaModel& model, const std::vector<llava::SequenceChunk>& chunks) {
+  auto cache = [](const llava::SequenceChunk& c) { return static_cast<llava::KvCache*>(c.kv); };
   for (const llava::SequenceChunk& c : chunks) {
-    TORCH_CHECK(c.cache->Reserve(c.embeds.size(0)), "benchmark KV pool too small");
+    TORCH_CHECK(cache(c)->Reserve(c.embeds.size(0)), "benchmark KV pool too small");
   }
-  return model.Forward(chunks);
+  at::Tensor logits = model.Forward(chunks);
+  for (const llava::SequenceChunk& c : chunks)
+    cache(c)->Commit(c.embeds.size(0), c.prompt_continues);
+  return logits;
 }
 
 // LLaVA-1.5-7B's decoder layers and vocabulary; the vision tower is not measured here.

@@ -7,11 +7,13 @@
 
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
+#include "tests/model_pass.h"
 #include "tests/test_util.h"
 #include "train/checkpoint_writer.h"
 #include "train/training_data.h"
 
 namespace llava {
+using ::llava::testing::Pass;
 namespace {
 
 TEST(AttentionSupervision, SameLogitsTermsFromTheSupervisedLayerOnly) {
@@ -38,7 +40,7 @@ TEST(AttentionSupervision, SameLogitsTermsFromTheSupervisedLayerOnly) {
   auto run = [&](std::unique_ptr<KvCache> cache) {
     SequenceChunk chunk{(*model)->EmbedPrompt(ids, {3}, (*model)->EncodeImages(pixels)), 0,
                         cache.get(), true};
-    return (*model)->Forward({chunk});
+    return Pass(**model, {chunk});
   };
   const at::Tensor plain = run((*model)->NewFullCache()).detach();
 

@@ -24,9 +24,11 @@
 #include "engine/kv/kv_cache.h"
 #include "engine/kv/kv_pool.h"
 #include "engine/model/llava_model.h"
+#include "tests/model_pass.h"
 #include "tests/test_util.h"
 
 namespace llava {
+using ::llava::testing::Pass;
 namespace {
 
 std::string DeviceName() {
@@ -116,7 +118,7 @@ TEST_F(DeviceTest, ModelAndActivationsLiveOnTheDevice) {
   at::Tensor x = PromptEmbeds(*model);
   EXPECT_EQ(x.device().type(), want.type());
   auto cache = model->NewFullCache();
-  model->Forward({{x, 0, cache.get(), false}});
+  Pass(*model, {{x, 0, cache.get(), false}});
   EXPECT_EQ(cache->Keys(0).device().type(), want.type());
   EXPECT_EQ(cache->Length(0), x.size(0));
 }
@@ -125,7 +127,7 @@ TEST_F(DeviceTest, F32PromptLogitsMatchTransformers) {
   auto model = LoadFixture(DType::kF32, DeviceName());
   ASSERT_NE(model, nullptr);
   auto cache = model->NewFullCache();
-  at::Tensor logits = model->Forward({{PromptEmbeds(*model), 0, cache.get(), true}});
+  at::Tensor logits = Pass(*model, {{PromptEmbeds(*model), 0, cache.get(), true}});
   ASSERT_EQ(logits.sizes(), Ref().logits.sizes());
   EXPECT_LT(MaxAbsDiff(logits, Ref().logits), 1e-4);  // as tests/hf_parity_test.cc on the CPU
 }
@@ -140,7 +142,7 @@ TEST_F(DeviceTest, Bf16PromptLogitsCloseToTransformers) {
   ASSERT_NE(model, nullptr);
   auto cache = model->NewFullCache();
   at::Tensor logits =
-      model->Forward({{PromptEmbeds(*model), 0, cache.get(), true}}).to(at::kCPU, at::kFloat);
+      Pass(*model, {{PromptEmbeds(*model), 0, cache.get(), true}}).to(at::kCPU, at::kFloat);
   const at::Tensor& ref = Ref().logits;
   ASSERT_EQ(logits.sizes(), ref.sizes());
   const double err = MaxAbsDiff(logits, ref), std = ref.std().item<double>();
@@ -157,12 +159,12 @@ TEST_F(DeviceTest, GreedyContinuationMatchesTransformers) {
   ASSERT_NE(model, nullptr);
   const Reference& r = Ref();
   auto cache = model->NewFullCache();
-  at::Tensor logits = model->Forward({{PromptEmbeds(*model), 0, cache.get(), false}});
+  at::Tensor logits = Pass(*model, {{PromptEmbeds(*model), 0, cache.get(), false}});
   std::vector<int64_t> got;
   for (size_t i = 0; i < r.continuation.size(); ++i) {
     got.push_back(logits[0].argmax().item<int64_t>());
-    logits = model->Forward(
-        {{model->Embed(at::tensor({got.back()}, at::kLong)), cache->NextPosition(), cache.get()}});
+    logits = Pass(*model, {{model->Embed(at::tensor({got.back()}, at::kLong)),
+                            cache->NextPosition(), cache.get()}});
   }
   EXPECT_EQ(got, r.continuation);
 }
@@ -176,11 +178,11 @@ TEST_F(DeviceTest, IncrementalDecodeMatchesFullForward) {
   at::Tensor answer = model->Embed(at::tensor(r.continuation, at::kLong));
   auto whole_cache = model->NewFullCache();
   at::Tensor whole =
-      model->Forward({{at::cat({prompt, answer}), 0, whole_cache.get(), true}}).to(at::kCPU);
+      Pass(*model, {{at::cat({prompt, answer}), 0, whole_cache.get(), true}}).to(at::kCPU);
   auto cache = model->NewFullCache();
-  std::vector<at::Tensor> rows = {model->Forward({{prompt, 0, cache.get(), false}})};
+  std::vector<at::Tensor> rows = {Pass(*model, {{prompt, 0, cache.get(), false}})};
   for (int64_t i = 0; i + 1 < answer.size(0); ++i) {
-    rows.push_back(model->Forward({{answer.narrow(0, i, 1), cache->NextPosition(), cache.get()}}));
+    rows.push_back(Pass(*model, {{answer.narrow(0, i, 1), cache->NextPosition(), cache.get()}}));
   }
   const int64_t t = prompt.size(0);
   EXPECT_LT(MaxAbsDiff(at::cat(rows), whole.narrow(0, t - 1, answer.size(0))), 1e-4);
@@ -198,25 +200,25 @@ TEST_F(DeviceTest, BatchMatchesAlone) {
   const int64_t n = 6;
   auto alone = [&](const at::Tensor& prompt) {
     auto cache = model->NewFullCache();
-    std::vector<at::Tensor> out = {model->Forward({{prompt, 0, cache.get()}})};
+    std::vector<at::Tensor> out = {Pass(*model, {{prompt, 0, cache.get()}})};
     for (int64_t i = 0; i < n; ++i) {
-      out.push_back(model->Forward({{steps.narrow(0, i, 1), cache->NextPosition(), cache.get()}}));
+      out.push_back(Pass(*model, {{steps.narrow(0, i, 1), cache->NextPosition(), cache.get()}}));
     }
     return at::cat(out).to(at::kCPU);
   };
   const at::Tensor a_alone = alone(a_prompt), b_alone = alone(b_prompt);
   auto a = model->NewFullCache(), b = model->NewFullCache();
-  std::vector<at::Tensor> a_rows = {model->Forward({{a_prompt, 0, a.get()}})}, b_rows;
+  std::vector<at::Tensor> a_rows = {Pass(*model, {{a_prompt, 0, a.get()}})}, b_rows;
   // a decodes its first token in the pass that prefills b.
   at::Tensor both =
-      model->Forward({{steps.narrow(0, 0, 1), a->NextPosition(), a.get()}, {b_prompt, 0, b.get()}});
+      Pass(*model, {{steps.narrow(0, 0, 1), a->NextPosition(), a.get()}, {b_prompt, 0, b.get()}});
   a_rows.push_back(both.narrow(0, 0, 1));
   b_rows.push_back(both.narrow(0, 1, 1));
   for (int64_t i = 0; i < n; ++i) {
     std::vector<SequenceChunk> chunks;
     if (i + 1 < n) chunks.push_back({steps.narrow(0, i + 1, 1), a->NextPosition(), a.get()});
     chunks.push_back({steps.narrow(0, i, 1), b->NextPosition(), b.get()});
-    at::Tensor out = model->Forward(chunks);
+    at::Tensor out = Pass(*model, chunks);
     if (i + 1 < n) a_rows.push_back(out.narrow(0, 0, 1));
     b_rows.push_back(out.narrow(0, out.size(0) - 1, 1));
   }
@@ -286,7 +288,7 @@ PolicyTrace Trace(const LlavaModel& model, const CacheParams& params) {
   auto cache = NewKvCache(&pool, params, Segments());
   auto feed = [&](const at::Tensor& embeds) {
     EXPECT_TRUE(cache->Reserve(embeds.size(0)));
-    return model.Forward({{embeds, cache->NextPosition(), cache.get()}});
+    return Pass(model, {{embeds, cache->NextPosition(), cache.get()}});
   };
   auto record = [&](const at::Tensor& logits) {
     t.logits.push_back(logits.to(at::kCPU));

@@ -25,7 +25,7 @@ using ::llava::testing::Collector;
 class EchoRunner final : public ModelRunner {
  public:
   struct ChunkSeen {
-    const KvCache* cache;
+    const SequenceKv* cache;
     int64_t start, rows;
     bool prompt;  // rows of the prompt (else a decode row)
     bool prompt_continues;
@@ -58,10 +58,11 @@ class EchoRunner final : public ModelRunner {
     for (size_t i = 0; i < chunks.size(); ++i) {
       const SequenceChunk& c = chunks[i];
       const int64_t n = c.embeds.size(0);
-      EXPECT_EQ(c.start_position, c.cache->NextPosition());
-      if (c.start_position == 0) seqs_[c.cache] = Echo();  // a new request (caches are reused)
-      Echo& e = seqs_[c.cache];
-      passes_.back().push_back({c.cache, c.start_position, n, !e.answering, c.prompt_continues});
+      if (c.start_position == 0) seqs_[c.kv] = Echo();  // a new request (caches are reused)
+      Echo& e = seqs_[c.kv];
+      EXPECT_EQ(c.start_position, e.fed);  // the position after the rows committed so far
+      e.fed += n;
+      passes_.back().push_back({c.kv, c.start_position, n, !e.answering, c.prompt_continues});
       at::Tensor ids = c.embeds.select(1, 0).to(at::kLong);
       if (e.answering) {  // a decode row: the token sampled from this runner's last logits
         EXPECT_EQ(n, 1);
@@ -73,12 +74,8 @@ class EchoRunner final : public ModelRunner {
         }
       }
       const at::Tensor kv = at::zeros({1, n, kHeadDim});
-      for (int l = 0; l < kLayers; ++l) c.cache->Append(l, kv, kv);
-      if (c.prompt_continues) {
-        c.cache->OnPromptChunkDone(n);
-        continue;
-      }
-      c.cache->OnForwardDone(n);
+      for (int l = 0; l < kLayers; ++l) c.kv->Append(l, kv, kv);
+      if (c.prompt_continues) continue;  // (the engine commits the pass)
       e.answering = true;
       const size_t k = e.emitted++;
       logits[static_cast<int64_t>(i)][k < e.prompt.size() ? e.prompt[k] : tok_.eos_id()] = 100.f;
@@ -115,6 +112,7 @@ class EchoRunner final : public ModelRunner {
     std::vector<int> prompt;  // text ids, BOS left out
     size_t emitted = 0;
     bool answering = false;
+    int64_t fed = 0;  // rows fed in earlier passes
   };
   const Tokenizer& tok_;
   const LlavaConfig config_;
@@ -124,7 +122,7 @@ class EchoRunner final : public ModelRunner {
   int fail_pass_ = 0;
   mutable int entered_ = 0;  // passes that reached Forward
   mutable std::vector<std::vector<ChunkSeen>> passes_;
-  mutable std::map<const KvCache*, Echo> seqs_;
+  mutable std::map<const SequenceKv*, Echo> seqs_;
 };
 
 class EngineLoopTest : public ::testing::Test {
@@ -192,7 +190,7 @@ TEST_F(EngineLoopTest, EachRequestGetsItsOwnAnswerInSharedPasses) {
   // The requests shared passes: some pass held rows of all three.
   size_t widest = 0;
   for (const auto& pass : runner_->passes()) {
-    std::set<const KvCache*> caches;
+    std::set<const SequenceKv*> caches;
     for (const auto& c : pass) caches.insert(c.cache);
     widest = std::max(widest, caches.size());
   }
@@ -213,8 +211,8 @@ TEST_F(EngineLoopTest, ChunkedPrefillFeedsEachPromptInOrderWithinTheRowBudget) {
     ASSERT_TRUE(out[i]->result_.has_value()) << out[i]->status_.ToString();
     EXPECT_EQ(out[i]->text_, Expected(reqs[i])) << "request " << i;
   }
-  std::map<const KvCache*, std::vector<EchoRunner::ChunkSeen>> prompt_chunks;
-  std::map<const KvCache*, bool> answering;
+  std::map<const SequenceKv*, std::vector<EchoRunner::ChunkSeen>> prompt_chunks;
+  std::map<const SequenceKv*, bool> answering;
   for (const auto& pass : runner_->passes()) {
     int64_t prompt_rows = 0;
     for (const auto& c : pass) {

@@ -8,10 +8,12 @@
 #include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
 #include "engine/serving/generator.h"
+#include "tests/model_pass.h"
 #include "tests/test_util.h"
 #include "tests/tiny_model.h"
 
 namespace llava {
+using ::llava::testing::Pass;
 namespace {
 
 using Kind = ContentPart::Kind;
@@ -48,7 +50,7 @@ std::vector<int> NaiveGreedy(const LoadedModel& m, const GenerationRequest& req,
   std::vector<int> out;
   for (int s = 0; s < steps; ++s) {
     auto cache = model.NewFullCache();
-    at::Tensor logits = model.Forward({{seq, 0, cache.get(), false}});
+    at::Tensor logits = Pass(model, {{seq, 0, cache.get(), false}});
     const int id = static_cast<int>(logits[0].argmax().item<int64_t>());
     if (id == m.tokenizer().eos_id()) break;
     out.push_back(id);

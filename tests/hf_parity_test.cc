@@ -10,9 +10,11 @@
 #include "engine/io/image_io.h"
 #include "engine/io/safetensors.h"
 #include "engine/model/llava_model.h"
+#include "tests/model_pass.h"
 #include "tests/test_util.h"
 
 namespace llava {
+using ::llava::testing::Pass;
 namespace {
 
 std::string FixtureDir() { return ::llava::testing::SourceDir() + "/tests/data/hf_reference"; }
@@ -59,9 +61,9 @@ TEST(HfParity, PromptLogitsMatchTransformers) {
   auto cache = model->NewFullCache();
   SequenceChunk chunk;
   chunk.embeds = model->EmbedPrompt(ids, {offset}, features);
-  chunk.cache = cache.get();
+  chunk.kv = cache.get();
   chunk.all_logits = true;
-  at::Tensor logits = model->Forward({chunk});
+  at::Tensor logits = Pass(*model, {chunk});
   at::Tensor expected = ReferenceTensor("logits");
   ASSERT_EQ(logits.sizes(), expected.sizes());
   const double max_err = (logits - expected).abs().max().item<double>();
@@ -79,16 +81,16 @@ TEST(HfParity, GreedyContinuationMatchesTransformersGenerate) {
   auto cache = model->NewFullCache();
   SequenceChunk chunk;
   chunk.embeds = model->EmbedPrompt(ids, {ref["image_offset"].get<int>()}, features);
-  chunk.cache = cache.get();
+  chunk.kv = cache.get();
   std::vector<int64_t> got;
   int64_t position = static_cast<int64_t>(ids.size());
-  at::Tensor logits = model->Forward({chunk});
+  at::Tensor logits = Pass(*model, {chunk});
   for (size_t i = 0; i < expected.size(); ++i) {
     const int64_t next = logits[0].argmax().item<int64_t>();
     got.push_back(next);
     chunk.embeds = model->Embed(at::tensor({next}, at::kLong));
     chunk.start_position = position++;
-    logits = model->Forward({chunk});
+    logits = Pass(*model, {chunk});
   }
   EXPECT_EQ(got, expected);
 }

@@ -5,10 +5,12 @@
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
 #include "engine/serving/generator.h"
+#include "tests/model_pass.h"
 #include "tests/test_util.h"
 #include "train/checkpoint_writer.h"
 
 namespace llava {
+using ::llava::testing::Pass;
 namespace {
 
 using ::llava::testing::ReadFile;
@@ -49,8 +51,8 @@ TEST(Loader, BothNamingGenerationsAndShardingLoad) {
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   at::Tensor ids = at::arange(3, 20, at::kLong);
   auto ca = (*a)->NewFullCache(), cb = (*b)->NewFullCache();
-  at::Tensor la = (*a)->Forward({{(*a)->Embed(ids), 0, ca.get(), true}});
-  at::Tensor lb = (*b)->Forward({{(*b)->Embed(ids), 0, cb.get(), true}});
+  at::Tensor la = Pass(**a, {{(*a)->Embed(ids), 0, ca.get(), true}});
+  at::Tensor lb = Pass(**b, {{(*b)->Embed(ids), 0, cb.get(), true}});
   EXPECT_LT(Nmse(lb, la), 1e-3);
   EXPECT_GT(Nmse(lb, la), 0.0) << "tiny-old is stored in bf16, so some rounding must show";
 }

@@ -8,9 +8,11 @@
 
 #include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
+#include "tests/model_pass.h"
 #include "tests/test_util.h"
 
 namespace llava {
+using ::llava::testing::Pass;
 namespace {
 
 std::unique_ptr<LlavaModel> LoadTiny(const std::string& name, DType dtype) {
@@ -153,14 +155,14 @@ TEST_F(TinyModelTest, IncrementalDecodingMatchesFullForward) {
   at::Tensor ids = RandomIds(total, 3);
   // One pass over the whole sequence, logits for every row.
   auto full_cache = model_->NewFullCache();
-  at::Tensor full = model_->Forward({{model_->Embed(ids), 0, full_cache.get(), true}});
+  at::Tensor full = Pass(*model_, {{model_->Embed(ids), 0, full_cache.get(), true}});
   // Prefill the prefix, then one token at a time through the KV cache.
   auto cache = model_->NewFullCache();
   std::vector<at::Tensor> rows = {
-      model_->Forward({{model_->Embed(ids.narrow(0, 0, prefix)), 0, cache.get(), false}})};
+      Pass(*model_, {{model_->Embed(ids.narrow(0, 0, prefix)), 0, cache.get(), false}})};
   for (int64_t t = prefix; t < total; ++t) {
-    rows.push_back(model_->Forward(
-        {{model_->Embed(ids.narrow(0, t, 1)), cache->NextPosition(), cache.get(), false}}));
+    rows.push_back(Pass(*model_, {{model_->Embed(ids.narrow(0, t, 1)), cache->NextPosition(),
+                                   cache.get(), false}}));
   }
   at::Tensor inc = at::cat(rows, 0);
   EXPECT_LT(Nmse(inc, full.narrow(0, prefix - 1, total - prefix + 1)), 1e-10);
@@ -175,19 +177,19 @@ TEST_F(TinyModelTest, BatchOfTwoEqualsEachAlone) {
   ASSERT_NE(model_, nullptr);
   at::Tensor a = RandomIds(9, 4), b = RandomIds(14, 5);
   auto ca = model_->NewFullCache(), cb = model_->NewFullCache();
-  at::Tensor alone_a = model_->Forward({{model_->Embed(a), 0, ca.get(), true}});
-  at::Tensor alone_b = model_->Forward({{model_->Embed(b), 0, cb.get(), true}});
+  at::Tensor alone_a = Pass(*model_, {{model_->Embed(a), 0, ca.get(), true}});
+  at::Tensor alone_b = Pass(*model_, {{model_->Embed(b), 0, cb.get(), true}});
   auto ba = model_->NewFullCache(), bb = model_->NewFullCache();
-  at::Tensor both = model_->Forward(
-      {{model_->Embed(a), 0, ba.get(), true}, {model_->Embed(b), 0, bb.get(), true}});
+  at::Tensor both =
+      Pass(*model_, {{model_->Embed(a), 0, ba.get(), true}, {model_->Embed(b), 0, bb.get(), true}});
   EXPECT_LT(Nmse(both.narrow(0, 0, 9), alone_a), 1e-10);
   EXPECT_LT(Nmse(both.narrow(0, 9, 14), alone_b), 1e-10);
   // A batched decode step over ragged caches equals the two steps alone.
   at::Tensor na = RandomIds(1, 6), nb = RandomIds(1, 7);
-  at::Tensor step_a = model_->Forward({{model_->Embed(na), 9, ca.get(), false}});
-  at::Tensor step_b = model_->Forward({{model_->Embed(nb), 14, cb.get(), false}});
-  at::Tensor step = model_->Forward(
-      {{model_->Embed(na), 9, ba.get(), false}, {model_->Embed(nb), 14, bb.get(), false}});
+  at::Tensor step_a = Pass(*model_, {{model_->Embed(na), 9, ca.get(), false}});
+  at::Tensor step_b = Pass(*model_, {{model_->Embed(nb), 14, cb.get(), false}});
+  at::Tensor step = Pass(
+      *model_, {{model_->Embed(na), 9, ba.get(), false}, {model_->Embed(nb), 14, bb.get(), false}});
   EXPECT_LT(Nmse(step[0], step_a[0]), 1e-10);
   EXPECT_LT(Nmse(step[1], step_b[0]), 1e-10);
 }
@@ -197,13 +199,13 @@ TEST_F(TinyModelTest, LogitRowsAreThoseRowsOfAllLogits) {
   ASSERT_NE(model_, nullptr);
   at::Tensor a = RandomIds(9, 4), b = RandomIds(14, 5);
   auto ca = model_->NewFullCache(), cb = model_->NewFullCache();
-  at::Tensor all = model_->Forward(
-      {{model_->Embed(a), 0, ca.get(), true}, {model_->Embed(b), 0, cb.get(), true}});
+  at::Tensor all =
+      Pass(*model_, {{model_->Embed(a), 0, ca.get(), true}, {model_->Embed(b), 0, cb.get(), true}});
   auto sa = model_->NewFullCache(), sb = model_->NewFullCache();
   SequenceChunk first{model_->Embed(a), 0, sa.get(), true}, second{model_->Embed(b), 0, sb.get()};
   first.logit_rows = {0, 3, 8};
   second.logit_rows = {2, 13};
-  at::Tensor some = model_->Forward({first, second});
+  at::Tensor some = Pass(*model_, {first, second});
   ASSERT_EQ(some.size(0), 5);
   const std::vector<int64_t> rows = {0, 3, 8, 9 + 2, 9 + 13};
   EXPECT_LT(Nmse(some, all.index_select(0, at::tensor(rows, at::kLong))), 1e-10);
@@ -216,11 +218,12 @@ TEST_F(TinyModelTest, LayerOutputsAreTheResidualStreamInChunkOrder) {
   at::Tensor a = RandomIds(9, 4), b = RandomIds(14, 5);
   auto ca = model_->NewFullCache(), cb = model_->NewFullCache();
   std::vector<at::Tensor> alone_b;
-  model_->Forward({{model_->Embed(b), 0, cb.get(), true}}, &alone_b);
+  Pass(*model_, {{model_->Embed(b), 0, cb.get(), true}}, &alone_b);
   auto ba = model_->NewFullCache(), bb = model_->NewFullCache();
   std::vector<at::Tensor> both;
-  at::Tensor logits = model_->Forward(
-      {{model_->Embed(a), 0, ba.get(), true}, {model_->Embed(b), 0, bb.get(), true}}, &both);
+  at::Tensor logits =
+      Pass(*model_, {{model_->Embed(a), 0, ba.get(), true}, {model_->Embed(b), 0, bb.get(), true}},
+           &both);
   ASSERT_EQ(both.size(), static_cast<size_t>(t.num_hidden_layers));
   ASSERT_EQ(alone_b.size(), both.size());
   for (size_t l = 0; l < both.size(); ++l) {
@@ -255,8 +258,8 @@ TEST_F(TinyModelTest, Bf16RunTracksF32Run) {
   ASSERT_NE(bf16, nullptr);
   at::Tensor ids = RandomIds(16, 9);
   auto c32 = model_->NewFullCache(), c16 = bf16->NewFullCache();
-  at::Tensor l32 = model_->Forward({{model_->Embed(ids), 0, c32.get(), true}});
-  at::Tensor l16 = bf16->Forward({{bf16->Embed(ids), 0, c16.get(), true}});
+  at::Tensor l32 = Pass(*model_, {{model_->Embed(ids), 0, c32.get(), true}});
+  at::Tensor l16 = Pass(*bf16, {{bf16->Embed(ids), 0, c16.get(), true}});
   EXPECT_LT(Nmse(l16, l32), 1e-3);  // bf16 has 8 mantissa bits
 }
 
@@ -264,6 +267,7 @@ TEST_F(TinyModelTest, Bf16RunTracksF32Run) {
 }  // namespace llava
 
 namespace llava {
+using ::llava::testing::Pass;
 namespace {
 
 // In bf16 the decode steps (1 row) take the AVX512-BF16 kernel while the full pass (24 rows)
@@ -275,13 +279,13 @@ TEST(TinyModelBf16, IncrementalDecodingTracksFullForward) {
   at::manual_seed(12);
   at::Tensor ids = at::randint(3, model->config().text.vocab_size, {24}, at::kLong);
   auto full_cache = model->NewFullCache();
-  at::Tensor full = model->Forward({{model->Embed(ids), 0, full_cache.get(), true}});
+  at::Tensor full = Pass(*model, {{model->Embed(ids), 0, full_cache.get(), true}});
   auto cache = model->NewFullCache();
   std::vector<at::Tensor> rows = {
-      model->Forward({{model->Embed(ids.narrow(0, 0, 8)), 0, cache.get(), false}})};
+      Pass(*model, {{model->Embed(ids.narrow(0, 0, 8)), 0, cache.get(), false}})};
   for (int64_t t = 8; t < 24; ++t) {
-    rows.push_back(model->Forward(
-        {{model->Embed(ids.narrow(0, t, 1)), cache->NextPosition(), cache.get(), false}}));
+    rows.push_back(Pass(
+        *model, {{model->Embed(ids.narrow(0, t, 1)), cache->NextPosition(), cache.get(), false}}));
   }
   EXPECT_LT(Nmse(at::cat(rows, 0), full.narrow(0, 7, 17)), 1e-3);
 }

@@ -12,9 +12,11 @@
 #include "engine/kv/kv_pool.h"
 #include "engine/model/llava_model.h"
 #include "engine/serving/generator.h"
+#include "tests/model_pass.h"
 #include "tests/test_util.h"
 
 namespace llava {
+using ::llava::testing::Pass;
 namespace {
 
 CacheParams Params(CachePolicy policy, double gamma, int recent = 25, int sinks = -1) {
@@ -177,10 +179,7 @@ class PolicyCacheTest : public ::testing::Test {
     delete model_;
   }
   // One forward pass, each pooled cache's pages for it reserved first.
-  static at::Tensor Feed(const std::vector<SequenceChunk>& chunks) {
-    for (const SequenceChunk& c : chunks) EXPECT_TRUE(c.cache->Reserve(c.embeds.size(0)));
-    return model_->Forward(chunks);
-  }
+  static at::Tensor Feed(const std::vector<SequenceChunk>& chunks) { return Pass(*model_, chunks); }
 
   static at::Tensor Ids(int64_t n, int seed) {
     at::manual_seed(seed);
@@ -332,6 +331,36 @@ TEST_F(PolicyCacheTest, LengthAndBytesFollowTheBudgetEveryStep) {
       ASSERT_EQ(s.full_equivalent_bytes,
                 model_->kv_layout().num_layers * n * model_->kv_layout().bytes_per_entry());
     });
+  }
+}
+
+// The model only writes a pass's rows to their reserved slots and hands over its attention:
+// what the policy decides (the prompt merge, each step's eviction) happens when the caller
+// commits the pass, so a pass that fails and is never committed has changed no decision.
+TEST_F(PolicyCacheTest, ThePolicyDecidesOnlyWhenThePassIsCommitted) {
+  for (CachePolicy policy : {CachePolicy::kElastic, CachePolicy::kH2O}) {
+    const CacheParams params = Params(policy, 0.4, /*recent=*/2);
+    auto cache = NewKvCache(pool_, params);
+    const int64_t t = 24;
+    ASSERT_TRUE(cache->Reserve(t));
+    (void)model_->Forward({{model_->Embed(Ids(t, 7)), 0, cache.get(), false}});
+    for (int l = 0; l < model_->kv_layout().num_layers; ++l) ASSERT_EQ(cache->Length(l), t);
+    EXPECT_EQ(cache->Stats().tokens_seen, 0);
+    cache->Commit(t, /*prompt_continues=*/false);
+    const int64_t target = Target(params, t);
+    ASSERT_LT(target, t);
+    for (int l = 0; l < model_->kv_layout().num_layers; ++l) ASSERT_EQ(cache->Length(l), target);
+    // A decode step: its row is stored, nothing is evicted until the commit.
+    ASSERT_TRUE(cache->Reserve(1));
+    (void)model_->Forward({{model_->Embed(Ids(1, 8)), cache->NextPosition(), cache.get(), false}});
+    for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
+      ASSERT_EQ(cache->Length(l), target + 1) << CachePolicyName(policy);
+    }
+    cache->Commit(1, false);
+    for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
+      ASSERT_EQ(cache->Length(l), Target(params, t + 1)) << CachePolicyName(policy);
+    }
+    EXPECT_EQ(cache->Stats().tokens_seen, t + 1);
   }
 }
 
@@ -495,8 +524,7 @@ TEST_F(PolicyCacheTest, SequencesShareThePoolWithoutLeaksOrCorruption) {
       who.push_back(i);
     }
     if (chunks.empty()) break;
-    for (const SequenceChunk& c : chunks) ASSERT_TRUE(c.cache->Reserve(c.embeds.size(0)));
-    const at::Tensor logits = model_->Forward(chunks);
+    const at::Tensor logits = Pass(*model_, chunks);
     int64_t held = 0;
     for (size_t c = 0; c < who.size(); ++c) {
       const size_t i = who[c];

@@ -5,10 +5,12 @@
 
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
+#include "tests/model_pass.h"
 #include "tests/test_util.h"
 #include "train/checkpoint_writer.h"
 
 namespace llava {
+using ::llava::testing::Pass;
 namespace {
 
 at::Tensor Logits(const LlavaModel& model) {
@@ -21,7 +23,7 @@ at::Tensor Logits(const LlavaModel& model) {
   auto cache = model.NewFullCache();
   SequenceChunk chunk{model.EmbedPrompt(ids, {3}, model.EncodeImages(pixels)), 0, cache.get(),
                       true};
-  return model.Forward({chunk});
+  return Pass(model, {chunk});
 }
 
 void CheckRoundTrip(bool tied) {

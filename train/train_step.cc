@@ -122,8 +122,9 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
     std::vector<int64_t> ids(e.ids.begin(), e.ids.begin() + prefix);
     SequenceChunk c;
     c.embeds = model.Embed(at::tensor(ids, at::kLong));
-    c.cache = prefix_cache.get();
+    c.kv = prefix_cache.get();
     model.Forward({c});
+    prefix_cache->OnForwardDone(prefix);
     sums.rows_saved = prefix * (std::count(shares.begin(), shares.end(), true) - 1);
   }
   std::vector<std::unique_ptr<KvCache>> caches;
@@ -161,7 +162,7 @@ ShardSums ForwardShard(LlavaModel& model, const LlavaConfig& config,
     }
     if (c.logit_rows.empty()) labels.push_back(kIgnoreLabel);  // the last row's logits, unread
     c.start_position = skip;
-    c.cache = caches.back().get();
+    c.kv = caches.back().get();
     for (int64_t r : e.answer_rows) {
       count_rows.push_back(shard_row + r - skip);
       inventory.insert(inventory.end(), e.inventory.begin(), e.inventory.end());

@@ -302,7 +302,6 @@ class PagedKvCache final : public KvCache {
     for (int64_t i = 0; i < n; ++i) positions_[layer].push_back(tokens_seen_ + i);
     if (!policy_) return;
     for (int64_t i = 0; i < n; ++i) order_[layer].push_back(static_cast<int32_t>(first + i));
-    if (prefilled_) policy_->OnAppend(layer, n);
   }
   at::Tensor Keys(int layer) const override { return table_.Gather(layer, false, len_[layer]); }
   at::Tensor Values(int layer) const override { return table_.Gather(layer, true, len_[layer]); }
@@ -322,8 +321,8 @@ class PagedKvCache final : public KvCache {
       return probs.narrow(1, begin, rows).sum(at::IntArrayRef{0, 1}).div_(probs.size(0));
     };
     auto add = [&](int64_t first_row, int64_t begin, int64_t rows) {
-      at::Tensor col = columns(begin, rows).to(at::kCPU, at::kFloat).contiguous();
-      policy_->AddScores(layer, first_row, col.data_ptr<float>(), col.size(0));
+      prompt_scores_.push_back(
+          {layer, first_row, columns(begin, rows).to(at::kCPU, at::kFloat).contiguous()});
     };
     const int64_t rows = probs.size(1);
     if (prefilled_) {
@@ -344,11 +343,13 @@ class PagedKvCache final : public KvCache {
     tokens_seen_ += n_new;
     if (!policy_) return;
     if (!prefilled_) {
+      AddPromptScores();
       for (int l = 0; l < layout().num_layers; ++l) CompressPrompt(l);
       table_.Shrink(MaxLength());
       prefilled_ = true;
       return;
     }
+    for (int l = 0; l < layout().num_layers; ++l) policy_->OnAppend(l, n_new);
     AddPendingScores();
     const int64_t target = policy_->Target(tokens_seen_);
     for (int l = 0; l < layout().num_layers; ++l) {
@@ -363,7 +364,10 @@ class PagedKvCache final : public KvCache {
     table_.Shrink(MaxLength());
   }
 
-  void OnPromptChunkDone(int64_t n_new) override { tokens_seen_ += n_new; }
+  void OnPromptChunkDone(int64_t n_new) override {
+    tokens_seen_ += n_new;
+    if (policy_) AddPromptScores();
+  }
 
   int64_t NextPosition() const override {
     return params_.position_mode == PositionMode::kCompressed ? len_[0] : tokens_seen_;
@@ -401,6 +405,14 @@ class PagedKvCache final : public KvCache {
     order_[l].resize(kept);
     std::iota(order_[l].begin(), order_[l].end(), 0);
     len_[l] = kept;
+  }
+
+  // The prompt pass's column sums, in the order they were observed.
+  void AddPromptScores() {
+    for (const PromptScores& p : prompt_scores_) {
+      policy_->AddScores(p.layer, p.first_row, p.sums.data_ptr<float>(), p.sums.size(0));
+    }
+    prompt_scores_.clear();
   }
 
   // The decode step's column sums of every layer, copied to the host in one piece and handed
@@ -450,7 +462,15 @@ class PagedKvCache final : public KvCache {
   std::vector<std::vector<int64_t>> positions_;  // per layer, per slot
   std::vector<std::vector<int32_t>> order_;      // per layer, per rank: its slot (policy only)
   std::vector<int64_t> rows_seen_;               // per layer: prompt query rows observed
-  std::vector<at::Tensor> pending_scores_;       // per layer: this decode step's column sums
+  // The pass's attention column sums, held until it is committed: a prompt pass's blocks
+  // (fp32 on the host), and a decode step's sums per layer (where they were computed).
+  struct PromptScores {
+    int layer;
+    int64_t first_row;
+    at::Tensor sums;
+  };
+  std::vector<PromptScores> prompt_scores_;
+  std::vector<at::Tensor> pending_scores_;
   int64_t tokens_seen_ = 0;
   bool prefilled_ = false;
   int64_t merged_ = 0;   // summed over layers

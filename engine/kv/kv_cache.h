@@ -58,18 +58,21 @@ struct KvStorage {
   int64_t len = 0;
 };
 
-class KvCache {
+// What one forward pass may do to a sequence's KV (the model's view of it, SequenceChunk::kv):
+// write the pass's new rows into the slots reserved for them, read every stored row, and hand
+// over attention probabilities. Nothing here changes what the cache has committed: the policy
+// sees the pass's rows and scores only when the caller commits the pass (KvCache below), after
+// the whole pass has succeeded.
+class SequenceKv {
  public:
-  virtual ~KvCache() = default;
+  virtual ~SequenceKv() = default;
 
   virtual const KvLayout& layout() const = 0;
-  // Makes room for `n_new` more entries in every layer (pool pages): false, with nothing
-  // changed, when the pool has too few free pages. A pass may only append what was reserved.
-  virtual bool Reserve(int64_t n_new) { return true; }
   // Appends `k`, `v` [kv_heads, n, head_dim] to `layer` (a pooled cache: within its reservation).
   virtual void Append(int layer, const at::Tensor& k, const at::Tensor& v) = 0;
-  // All stored entries of `layer` in storage order: [kv_heads, len, head_dim], a copy out of the
-  // pool (a view of an unpooled cache, valid until its next mutation).
+  // All stored entries of `layer` in storage order, this pass's included: [kv_heads, len,
+  // head_dim], a copy out of the pool (a view of an unpooled cache, valid until its next
+  // mutation).
   virtual at::Tensor Keys(int layer) const = 0;
   virtual at::Tensor Values(int layer) const = 0;
   // The same entries where they are (valid until the next mutation of this cache).
@@ -82,19 +85,35 @@ class KvCache {
   // Policies that score entries by attention return true for the layers they need; the model
   // then hands them that layer's softmax probabilities [heads, rows, len] over the entries in
   // storage order, one block of query rows per call (the blocks of one forward pass add up to
-  // all n_new rows).
+  // all n_new rows). They are held until the pass is committed.
   virtual bool WantsAttentionProbs(int layer) const { return false; }
   virtual void ObserveAttention(int layer, const at::Tensor& probs) {}
+};
 
-  // Called once after each forward pass that fed `n_new` tokens to every layer: the point at
-  // which policies compress (merge after prefill, evict after a decode step).
+// A request's cache, as the serving loop drives it (the KV manager's three steps, in
+// llama.cpp's prepare/apply shape): Reserve the slots a pass will write (or refuse), run the
+// pass over the SequenceKv view, then commit it with OnForwardDone / OnPromptChunkDone, where
+// the policy decides. A pass that fails is never committed: its request ends and the cache
+// returns all its pages when destroyed.
+class KvCache : public SequenceKv {
+ public:
+  // Makes room for `n_new` more entries in every layer (pool pages): false, with nothing
+  // changed, when the pool has too few free pages. A pass may only append what was reserved.
+  virtual bool Reserve(int64_t n_new) { return true; }
+
+  // Commits a forward pass that fed `n_new` tokens to every layer: the point at which policies
+  // compress (merge after prefill, evict after a decode step).
   virtual void OnForwardDone(int64_t n_new) = 0;
-  // Called instead of OnForwardDone after a pass that fed `n_new` rows of a prompt whose
-  // remaining rows follow in later passes (chunked prefill): the entries are counted and kept
-  // as they are; attention scores keep accumulating (a later chunk's queries see every earlier
-  // entry, so the column sums add up to those of one whole-prompt pass); compression waits for
-  // the OnForwardDone of the last chunk.
+  // Commits, instead of OnForwardDone, a pass that fed `n_new` rows of a prompt whose remaining
+  // rows follow in later passes (chunked prefill): the entries are counted and kept as they
+  // are; attention scores keep accumulating (a later chunk's queries see every earlier entry,
+  // so the column sums add up to those of one whole-prompt pass); compression waits for the
+  // OnForwardDone of the last chunk.
   virtual void OnPromptChunkDone(int64_t n_new) = 0;
+  // OnForwardDone, or OnPromptChunkDone for a chunk with more prompt rows to follow.
+  void Commit(int64_t n_new, bool prompt_continues) {
+    prompt_continues ? OnPromptChunkDone(n_new) : OnForwardDone(n_new);
+  }
 
   // Rotary position of the next token fed (its true index for Full).
   virtual int64_t NextPosition() const = 0;

@@ -606,19 +606,19 @@ at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at
 }
 
 at::Tensor LlavaModel::Attention(const at::Tensor& q, const at::Tensor& k_new,
-                                 const at::Tensor& v_new, int layer, KvCache* cache) const {
+                                 const at::Tensor& v_new, int layer, SequenceKv* kv) const {
   // q [n, H, hd], k_new/v_new [n, Hkv, hd] (rotated) -> out [n, H*hd]
   const at::Tensor kt = k_new.transpose(0, 1), vt = v_new.transpose(0, 1);  // [Hkv, n, hd]
   // A prompt fed whole attends to its own rows: no need to read them back out of the pool.
-  const bool fresh = cache->Length(layer) == 0;
-  cache->Append(layer, kt, vt);
-  const at::Tensor keys = fresh ? kt : cache->Keys(layer);
-  const at::Tensor values = fresh ? vt : cache->Values(layer);
-  if (!cache->WantsAttentionProbs(layer)) return CachedAttention(q, keys, values, nullptr);
+  const bool fresh = kv->Length(layer) == 0;
+  kv->Append(layer, kt, vt);
+  const at::Tensor keys = fresh ? kt : kv->Keys(layer);
+  const at::Tensor values = fresh ? vt : kv->Values(layer);
+  if (!kv->WantsAttentionProbs(layer)) return CachedAttention(q, keys, values, nullptr);
   // Each query block's probabilities go to the cache as they are computed, so at most
   // [H, 256, len] of them exist at a time.
-  const ProbsObserver observe = [cache, layer](int64_t, const at::Tensor& probs) {
-    cache->ObserveAttention(layer, probs);
+  const ProbsObserver observe = [kv, layer](int64_t, const at::Tensor& probs) {
+    kv->ObserveAttention(layer, probs);
   };
   return CachedAttention(q, keys, values, &observe);
 }
@@ -641,11 +641,11 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
     // [Hkv, N, hd] views made once: each sequence's row is then a single narrow.
     const at::Tensor kt = k.transpose(0, 1), vt = v.transpose(0, 1);
     for (size_t i = 0; i < b; ++i) {
-      KvCache* cache = chunks[decode_rows[i]].cache;
+      SequenceKv* kv = chunks[decode_rows[i]].kv;
       rows[i] = offsets[decode_rows[i]];
-      cache->Append(layer, kt.narrow(1, rows[i], 1), vt.narrow(1, rows[i], 1));
+      kv->Append(layer, kt.narrow(1, rows[i], 1), vt.narrow(1, rows[i], 1));
       if (in_place) {
-        const KvStorage st = cache->Storage(layer);
+        const KvStorage st = kv->Storage(layer);
         DecodeKv d;
         d.keys = st.keys;
         d.values = st.values;
@@ -658,10 +658,10 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
         d.len = st.len;
         stored.push_back(d);
       } else {
-        keys.push_back(cache->Keys(layer));
-        values.push_back(cache->Values(layer));
+        keys.push_back(kv->Keys(layer));
+        values.push_back(kv->Values(layer));
       }
-      want[i] = cache->WantsAttentionProbs(layer);
+      want[i] = kv->WantsAttentionProbs(layer);
       any_want = any_want || want[i];
     }
     const bool all = b == chunks.size();  // then rows are 0..b-1 in order
@@ -671,7 +671,7 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
                                            any_want ? &probs : nullptr)
                          : DecodeAttention(qd, keys, values, want, any_want ? &probs : nullptr);
     for (size_t i = 0; i < b; ++i) {
-      if (want[i]) chunks[decode_rows[i]].cache->ObserveAttention(layer, probs[i]);
+      if (want[i]) chunks[decode_rows[i]].kv->ObserveAttention(layer, probs[i]);
     }
     if (all) return out;
     for (size_t i = 0; i < b; ++i) attn[decode_rows[i]] = out.narrow(0, static_cast<int64_t>(i), 1);
@@ -685,7 +685,7 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
                                 vs = v.split_with_sizes(sizes);
   for (size_t c = 0; c < chunks.size(); ++c) {
     if (attn[c].defined()) continue;
-    attn[c] = Attention(qs[c], ks[c], vs[c], layer, chunks[c].cache);
+    attn[c] = Attention(qs[c], ks[c], vs[c], layer, chunks[c].kv);
   }
   return attn.size() == 1 ? attn[0] : at::cat(attn, 0);
 }
@@ -748,14 +748,6 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
     x = x + l.down(SwiGlu(gate_up, f));
     if (layer_outputs != nullptr) layer_outputs->push_back(x);
   }
-  for (const SequenceChunk& c : chunks) {
-    if (c.prompt_continues) {
-      c.cache->OnPromptChunkDone(c.embeds.size(0));
-    } else {
-      c.cache->OnForwardDone(c.embeds.size(0));
-    }
-  }
-
   at::Tensor rows = at::tensor(logit_rows, at::kLong).to(dev);
   at::Tensor last = RmsNorm(x.index_select(0, rows), final_norm_, t.rms_norm_eps);
   // The kernels of every other Linear: a decode step's few rows take the GEMV on every CPU

@@ -72,10 +72,12 @@ struct LlamaLayer {
 struct SequenceChunk {
   at::Tensor embeds;           // [n, D] input rows (token embeddings or image features)
   int64_t start_position = 0;  // rotary position of row 0; rows are consecutive
-  KvCache* cache = nullptr;    // receives the n new K/V rows per layer; not owned
-  bool all_logits = false;     // logits for every row (true) or only the last (false)
-  // More rows of this prompt follow in later passes (chunked prefill): the cache gets
-  // OnPromptChunkDone instead of OnForwardDone, so it does not compress yet.
+  // Receives the n new K/V rows per layer, in slots reserved before the pass; not owned. The
+  // caller commits the pass to the cache after Forward returns (KvCache::Commit).
+  SequenceKv* kv = nullptr;
+  bool all_logits = false;  // logits for every row (true) or only the last (false)
+  // More rows of this prompt follow in later passes (chunked prefill): the caller commits the
+  // pass with OnPromptChunkDone instead of OnForwardDone, so the cache does not compress yet.
   bool prompt_continues = false;
   // When not empty: logits for exactly these rows of the chunk (ascending indices into its n
   // rows), whatever all_logits says. The trainer asks only for the rows its loss reads.
@@ -116,8 +118,10 @@ class LlavaModel {
 
   // Runs the decoder over several sequences at once: linear layers on all rows together,
   // attention against each sequence's own cache (caches are ragged): one DecodeAttention call
-  // for all one-token chunks on the CPU, CachedAttention per chunk otherwise. Appends each chunk's
-  // K/V to its cache and calls cache->OnForwardDone(n). Returns fp32 logits, one row per chunk (or
+  // for all one-token chunks on the CPU, CachedAttention per chunk otherwise. Writes each chunk's
+  // K/V rows to its reserved slots and hands it the attention its policy asks for; committing
+  // the pass is the caller's (KvCache::Commit), so a failed pass commits nothing. Returns fp32
+  // logits, one row per chunk (or
   // n rows for chunks with all_logits, or its logit_rows), in chunk order: [rows, V]. With
   // `layer_outputs` (the trainer's probes), it also receives the residual stream after every
   // decoder layer, [N, D] with all chunks' rows in chunk order.
@@ -133,7 +137,7 @@ class LlavaModel {
   struct Slot;
   std::vector<Slot> Slots();
   at::Tensor Attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
-                       int layer, KvCache* cache) const;
+                       int layer, SequenceKv* kv) const;
   // Attention output of every chunk of one layer, [N, H*hd] in row order; `decode_rows` are
   // the chunks that go through DecodeAttention together.
   at::Tensor AllAttention(const std::vector<SequenceChunk>& chunks,

@@ -94,6 +94,18 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
   LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared,
                          PrepareRequest(request, model_.config(), model_.tokenizer(),
                                         options_.limits, request.sampling.max_tokens));
+  return Enqueue(id, request, std::move(prepared), std::move(observer), deadline, now);
+}
+
+Status Engine::Submit(uint64_t id, const GenerationRequest& request, PreparedRequest prepared,
+                      std::shared_ptr<RequestObserver> observer) {
+  LLAVA_RETURN_IF_ERROR(ValidateSamplingParams(request.sampling, options_.limits.max_tokens_limit));
+  return Enqueue(id, request, std::move(prepared), std::move(observer), std::nullopt, Clock::now());
+}
+
+Status Engine::Enqueue(uint64_t id, const GenerationRequest& request, PreparedRequest prepared,
+                       std::shared_ptr<RequestObserver> observer,
+                       std::optional<Clock::time_point> deadline, Clock::time_point submitted) {
   auto p = std::make_unique<Pending>();
   p->id = id;
   p->sampling = request.sampling;
@@ -101,7 +113,7 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
   p->prepared = std::move(prepared);
   p->observer = std::move(observer);
   p->deadline = deadline;
-  p->submitted = now;
+  p->submitted = submitted;
   std::lock_guard<std::mutex> lock(mu_);
   if (!accepting_) return Unavailable("the server is shutting down");
   LLAVA_RETURN_IF_ERROR(CheckIdFreeLocked(id));
@@ -370,6 +382,11 @@ void Engine::Step() {
       }
     }
     at::Tensor logits = model_.Forward(chunks);  // [rows, V] fp32 on the CPU
+    // The pass succeeded: commit it to every cache (the policies compress and evict here).
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      Sequence* seq = i < prompts.size() ? prompts[i].seq : decoding[i - prompts.size()];
+      seq->cache->Commit(chunks[i].embeds.size(0), chunks[i].prompt_continues);
+    }
     const int vocab = static_cast<int>(logits.size(1));
     float* row = logits.data_ptr<float>();
     for (size_t i = 0; i < prompts.size(); ++i, row += vocab) {
@@ -392,7 +409,8 @@ void Engine::Step() {
     std::lock_guard<std::mutex> lock(mu_);
     snapshot_.last_batch_size = static_cast<int>(chunks.size());
   } catch (const c10::Error& e) {
-    // The failed pass may have appended to some caches: these requests cannot continue.
+    // A failed pass is never committed (its rows may be half written): its requests end, and
+    // their caches return every page when they are freed at the end of this turn.
     std::vector<Sequence*> failed = decoding;
     for (const PromptPart& part : prompts) failed.push_back(part.seq);
     for (Sequence* seq : failed) {

@@ -111,6 +111,10 @@ class Engine final : public EngineApi {
                 std::shared_ptr<RequestObserver> observer) {
     return Submit(id, request, std::move(observer), std::nullopt);
   }
+  // The same for a request the caller has already prepared (PrepareRequest with this engine's
+  // limits): its images are not decoded again.
+  Status Submit(uint64_t id, const GenerationRequest& request, PreparedRequest prepared,
+                std::shared_ptr<RequestObserver> observer);
 
   // Ends a request with finish reason "cancelled" and frees its cache on the next loop turn.
   // Unknown or finished ids are ignored.
@@ -125,6 +129,11 @@ class Engine final : public EngineApi {
  private:
   struct Pending;
   struct Sequence;
+  // Queues a prepared request (the second half of Submit).
+  Status Enqueue(uint64_t id, const GenerationRequest& request, PreparedRequest prepared,
+                 std::shared_ptr<RequestObserver> observer,
+                 std::optional<std::chrono::steady_clock::time_point> deadline,
+                 std::chrono::steady_clock::time_point submitted);
   void Loop();
   // One forward pass: the next prompt rows of sequences still prefilling (within the
   // prefill_chunk budget) and one decode token of every other running sequence, linear layers

@@ -2,6 +2,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include "engine/kernels/cpu_features.h"
@@ -10,6 +13,7 @@
 #include "engine/model/llava_model.h"
 #include "engine/model/weights.h"
 #include "engine/serving/decode_state.h"
+#include "engine/serving/engine.h"
 #include "engine/serving/scheduler.h"
 
 namespace llava {
@@ -90,38 +94,34 @@ double AnswerScore::Perplexity() const { return tokens > 0 ? std::exp(nll_sum / 
 
 namespace {
 
-// A pool that holds one request: its prompt, or the most entries its policy keeps for
-// `new_tokens` more plus the one a decode step appends before evicting.
-std::unique_ptr<KvPool> RequestPool(const ModelRunner& model, const PreparedRequest& prepared,
-                                    const CacheParams& kv, int64_t new_tokens) {
+// The bytes of a KV pool that holds one request: its prompt, or the most entries its policy
+// keeps for `new_tokens` more plus the one a decode step appends before evicting.
+int64_t RequestPoolBytes(const ModelRunner& model, const PreparedRequest& prepared,
+                         const CacheParams& kv, int64_t new_tokens) {
   const KvLayout layout = model.kv_layout();
   const int64_t t = static_cast<int64_t>(prepared.prompt.ids.size());
   const int64_t entries = std::max(t, SteadyEntries(t, new_tokens, kv, prepared.segments) + 1);
   const int64_t pages = (entries + kKvPageRows - 1) / kKvPageRows;
-  return std::make_unique<KvPool>(
-      layout, pages * kKvPageRows * layout.num_layers * layout.bytes_per_entry());
+  return pages * kKvPageRows * layout.num_layers * layout.bytes_per_entry();
 }
 
-// One decode row: `token` at the cache's next position, its page reserved.
-SequenceChunk DecodeChunk(const ModelRunner& model, int token, KvCache* cache) {
-  TORCH_CHECK(cache->Reserve(1), "the request's KV pool is full");
+// One pass of `embeds` rows through `cache`: reserve, forward, commit.
+at::Tensor RunPass(const ModelRunner& model, const at::Tensor& embeds, KvCache* cache) {
+  TORCH_CHECK(cache->Reserve(embeds.size(0)), "the request's KV pool is full");
   SequenceChunk chunk;
-  chunk.embeds = model.EmbedTokens({token});
+  chunk.embeds = embeds;
   chunk.start_position = cache->NextPosition();
-  chunk.cache = cache;
-  return chunk;
+  chunk.kv = cache;
+  at::Tensor logits = model.Forward({chunk});
+  cache->Commit(embeds.size(0), /*prompt_continues=*/false);
+  return logits;
 }
 
 }  // namespace
 
 at::Tensor Generator::Prefill(const PreparedRequest& prepared, KvCache* cache,
                               double* vision_seconds) const {
-  SequenceChunk chunk;
-  chunk.embeds = m_.EmbedPrompt(prepared, vision_seconds);
-  TORCH_CHECK(cache->Reserve(chunk.embeds.size(0)), "the request's KV pool is full");
-  chunk.start_position = cache->NextPosition();
-  chunk.cache = cache;
-  return m_.Forward({chunk});
+  return RunPass(m_, m_.EmbedPrompt(prepared, vision_seconds), cache);
 }
 
 StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
@@ -138,8 +138,9 @@ StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
       PrepareRequest(req, model.config(), tok, limits_, static_cast<int64_t>(ids.size())));
   AnswerScore score;
   try {
-    const std::unique_ptr<KvPool> pool =
-        RequestPool(model, prepared, req.kv_cache, static_cast<int64_t>(ids.size()));
+    const auto pool = std::make_unique<KvPool>(
+        model.kv_layout(),
+        RequestPoolBytes(model, prepared, req.kv_cache, static_cast<int64_t>(ids.size())));
     std::unique_ptr<KvCache> cache = NewKvCache(pool.get(), req.kv_cache, prepared.segments);
     auto t0 = std::chrono::steady_clock::now();
     at::Tensor logits = Prefill(prepared, cache.get(), nullptr);
@@ -150,7 +151,7 @@ StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
       score.nll_sum -= logp[ids[i]].item<double>();
       ++score.tokens;
       if (i + 1 == ids.size()) break;
-      logits = model.Forward({DecodeChunk(model, ids[i], cache.get())});
+      logits = RunPass(model, model.EmbedTokens({ids[i]}), cache.get());
     }
     score.decode_seconds = SecondsSince(t0);
     score.kv = cache->Stats();
@@ -160,45 +161,64 @@ StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
   return score;
 }
 
+namespace {
+
+// The observer of Generate's one request: text goes to the caller's callback on the engine
+// thread (a false return cancels the request), the end to the waiting caller.
+class OneShotObserver final : public RequestObserver {
+ public:
+  OneShotObserver(const TextCallback& on_text, Engine* engine, uint64_t id)
+      : on_text_(on_text), engine_(engine), id_(id) {}
+  void OnText(const std::string& delta) override {
+    if (on_text_ && !on_text_(delta)) engine_->Cancel(id_);
+  }
+  void OnFinished(const StatusOr<GenerationResult>& result) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    result_ = result;
+    done_.notify_all();
+  }
+  StatusOr<GenerationResult> Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return result_.has_value(); });
+    return *result_;
+  }
+
+ private:
+  const TextCallback& on_text_;
+  Engine* engine_;
+  const uint64_t id_;
+  std::mutex mu_;
+  std::condition_variable done_;
+  std::optional<StatusOr<GenerationResult>> result_;
+};
+
+}  // namespace
+
 StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
                                                const TextCallback& on_text) {
   const auto t0 = std::chrono::steady_clock::now();
-  const ModelRunner& model = m_;
-  const Tokenizer& tok = m_.tokenizer();
-  const LlavaConfig& cfg = model.config();
   LLAVA_RETURN_IF_ERROR(ValidateSamplingParams(req.sampling, limits_.max_tokens_limit));
-  LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared, PrepareRequest(req, model.config(), tok, limits_,
-                                                                  req.sampling.max_tokens));
-  const PromptTokens& prompt = prepared.prompt;
-
-  GenerationResult result;
-  result.prompt_tokens = static_cast<int>(prompt.ids.size());
-  result.image_tokens = static_cast<int>(prompt.image_offsets.size()) * prompt.image_rows;
-  try {
-    const std::unique_ptr<KvPool> pool =
-        RequestPool(model, prepared, req.kv_cache, req.sampling.max_tokens);
-    std::unique_ptr<KvCache> cache = NewKvCache(pool.get(), req.kv_cache, prepared.segments);
-    at::Tensor logits = Prefill(prepared, cache.get(), &result.vision_seconds);
-    DecodeState state(tok, req.sampling, PromptTextIds(prompt, cfg.image_token_index),
-                      cfg.text.eos_token_id);
-    for (bool first = true;; first = false) {
-      at::Tensor row = logits[0].contiguous();
-      const std::string delta = state.Step(row.data_ptr<float>(), static_cast<int>(row.size(0)));
-      if (first) result.ttft_seconds = SecondsSince(t0);
-      if (!delta.empty() && on_text && !on_text(delta)) state.Abort(FinishReason::kCancelled);
-      if (state.done()) break;
-      logits = model.Forward({DecodeChunk(model, state.last_token(), cache.get())});
-    }
-    const std::string tail = state.Flush();
-    if (!tail.empty() && on_text) on_text(tail);
-    result.text = state.text();
-    result.tokens = state.tokens();
-    result.finish = state.finish_reason();
-    result.completion_tokens = static_cast<int>(result.tokens.size());
-    result.kv = cache->Stats();
+  LLAVA_ASSIGN_OR_RETURN(
+      PreparedRequest prepared,
+      PrepareRequest(req, m_.config(), m_.tokenizer(), limits_, req.sampling.max_tokens));
+  // The serving engine at batch 1, its pool sized for this request: one decode loop for the
+  // server and the command-line tools.
+  EngineOptions options;
+  options.limits = limits_;
+  options.max_batch = 1;
+  options.max_queue = 1;
+  options.prefill_chunk = 0;
+  options.kv_cache_bytes = RequestPoolBytes(m_, prepared, req.kv_cache, req.sampling.max_tokens);
+  std::unique_ptr<Engine> engine;
+  try {  // (the pool is allocated here)
+    engine = std::make_unique<Engine>(m_, options);
   } catch (const c10::Error& e) {
-    return Internal(std::string("model failure: ") + e.what_without_backtrace());
+    return Internal(std::string("KV pool: ") + e.what_without_backtrace());
   }
+  constexpr uint64_t kId = 1;
+  auto observer = std::make_shared<OneShotObserver>(on_text, engine.get(), kId);
+  LLAVA_RETURN_IF_ERROR(engine->Submit(kId, req, std::move(prepared), observer));
+  LLAVA_ASSIGN_OR_RETURN(GenerationResult result, observer->Wait());
   result.total_seconds = SecondsSince(t0);
   return result;
 }

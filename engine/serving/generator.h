@@ -1,7 +1,6 @@
-// Loading a model folder and running one request end to end: validate, decode images, build
-// the prompt, prefill, decode token by token with sampling, stop strings and EOS, stream text.
-// The request types and their preparation are in request.h, shared with the continuous-batching
-// engine (engine.h), which runs the prefill and decode steps itself for many requests at once.
+// Loading a model folder and running one request end to end (the command-line tools): Generate
+// runs it through the serving engine (engine.h) at batch 1; ScoreAnswer feeds a given answer
+// token by token (teacher forcing) for the evaluation's perplexity.
 #pragma once
 
 #include <functional>
@@ -74,7 +73,9 @@ class Generator {
   // Borrows `model`; it must outlive the Generator.
   Generator(const ModelRunner& model, EngineLimits limits) : m_(model), limits_(limits) {}
 
-  // Runs the whole request on the calling thread. Errors name the request field at fault;
+  // Runs the whole request and returns when it has ended: the serving engine (engine.h) at
+  // batch 1 with a KV pool sized for this request, so the tools decode exactly as the server
+  // does. `on_text` is called on the engine's thread. Errors name the request field at fault;
   // model failures (c10::Error) come back as INTERNAL, never as exceptions.
   StatusOr<GenerationResult> Generate(const GenerationRequest& request,
                                       const TextCallback& on_text);
