@@ -65,7 +65,8 @@ std::vector<std::shared_ptr<Collector>> SubmitAll(Engine* engine,
   return out;
 }
 
-// Every engine answer equals the same request run alone by the Generator: tokens, text, kept
+// Every engine answer equals the same request run alone (Generator: the engine at batch 1,
+// nothing else running): tokens, text, kept
 // bytes and merges.
 void ExpectSameAsAlone(const LoadedModel& model, const std::vector<GenerationRequest>& reqs,
                        const std::vector<std::shared_ptr<Collector>>& out) {

@@ -154,5 +154,31 @@ TEST(ImageIo, PadToSquareUsesMeanColour) {
   EXPECT_NEAR(out[(0 * 32 + 16) * 32 + 10], -cfg.image_mean[0] / cfg.image_std[0], 1e-5);
 }
 
+// A crop larger than the resized image: the crop bytes hold the image in its middle, and what
+// lies outside it is normalised as a black pixel (transformers pads the crop with zeros before
+// rescaling and normalising).
+TEST(ImageIo, CropLargerThanTheImageIsZeroOutside) {
+  RgbImage img;
+  img.width = img.height = 16;
+  img.pixels.assign(16 * 16 * 3, 200);
+  ImageProcessorConfig cfg;
+  cfg.shortest_edge = 16;
+  cfg.crop_height = cfg.crop_width = 20;
+  const CroppedImage crop = CropImage(img, cfg);
+  EXPECT_EQ(crop.rgb.size(), 20u * 20u * 3u) << "3 bytes per crop pixel";
+  EXPECT_EQ(crop.top, 2);
+  EXPECT_EQ(crop.left, 2);
+  EXPECT_EQ(crop.bottom, 18);
+  EXPECT_EQ(crop.right, 18);
+  const std::vector<float> out = NormalizeImage(crop, cfg);
+  ASSERT_EQ(out, PreprocessImage(img, cfg));
+  auto at = [&](int c, int y, int x) { return out[(c * 20 + y) * 20 + x]; };
+  for (int c = 0; c < 3; ++c) {
+    EXPECT_EQ(at(c, 0, 10), (0.f - cfg.image_mean[c]) / cfg.image_std[c]) << "row 0 is outside";
+    EXPECT_EQ(at(c, 10, 19), (0.f - cfg.image_mean[c]) / cfg.image_std[c]) << "column 19 too";
+    EXPECT_NEAR(at(c, 10, 10), (200.f / 255.f - cfg.image_mean[c]) / cfg.image_std[c], 1e-5);
+  }
+}
+
 }  // namespace
 }  // namespace llava

@@ -535,6 +535,7 @@ TEST_F(PolicyCacheTest, SequencesShareThePoolWithoutLeaksOrCorruption) {
           *std::max_element(st.entries_per_layer.begin(), st.entries_per_layer.end());
       ASSERT_EQ(st.bytes_allocated, shared.PagesFor(entries) * shared.page_bytes())
           << seqs[i].spec << " step " << step;
+      ASSERT_EQ(caches[i]->PagesHeld() * shared.page_bytes(), st.bytes_allocated);
       if (fed[i] == seqs[i].steps) {
         caches[i].reset();  // finished: its pages go back at once
       } else {

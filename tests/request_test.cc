@@ -45,7 +45,11 @@ TEST_F(PrepareRequestTest, ImageRowsPixelsAndSegments) {
   const int rows = config_.image_tokens();  // 16: (32 / 8)^2
   const int64_t len = static_cast<int64_t>(p->prompt.ids.size());
   EXPECT_EQ(p->num_images, 1);
-  EXPECT_EQ(p->pixels.size(), size_t{3} * 32 * 32);
+  ASSERT_EQ(p->images.size(), 1u);
+  EXPECT_EQ(p->images[0].rgb.size(), size_t{3} * 32 * 32) << "bytes, not floats, while it waits";
+  // What the vision tower gets: the processor's output for the decoded image.
+  EXPECT_EQ(NormalizeImage(p->images[0], config_.image_processor),
+            PreprocessImage(*DecodeImage(png_, {}, "image"), config_.image_processor));
   ASSERT_EQ(p->prompt.image_offsets.size(), 1u);
   const int offset = p->prompt.image_offsets[0];
   for (int r = 0; r < rows; ++r) EXPECT_EQ(p->prompt.ids[offset + r], config_.image_token_index);

@@ -5,6 +5,10 @@
 #include <malloc.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
 
 #include "engine/kernels/cpu_features.h"
 
@@ -29,6 +33,43 @@ TEST(ConfigureMalloc, BlocksUnderTheFixedThresholdComeFromTheHeap) {
   const size_t mapped_during = mallinfo2().hblkhd;
   std::free(block);
   EXPECT_EQ(mapped_during, mapped_before);
+}
+
+// Resident anonymous memory of this process, from /proc/self/status.
+int64_t RssAnonBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("RssAnon:", 0) == 0) return std::stoll(line.substr(8)) * 1024;
+  }
+  return -1;
+}
+
+// Freed blocks between live ones stay resident on the heap (the top cannot be trimmed past a
+// live block); TrimFreeHeap gives their pages back once more than the bound is free.
+TEST(TrimFreeHeap, GivesFreeHeapPagesBackAboveTheBound) {
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_")) {
+    GTEST_SKIP() << "the environment sets glibc's thresholds";
+  }
+  MallocSettings settings;
+  settings.arena_max = 0;
+  settings.mmap_threshold_bytes = int64_t{64} << 20;  // 1 MiB blocks come from the heap
+  ConfigureMalloc(settings);
+  constexpr size_t kBlock = size_t{1} << 20;
+  std::vector<char*> blocks;
+  for (int i = 0; i < 48; ++i) {
+    blocks.push_back(static_cast<char*>(std::malloc(kBlock)));
+    ASSERT_NE(blocks.back(), nullptr);
+    std::memset(blocks.back(), 1, kBlock);  // resident
+  }
+  for (int i = 0; i < 47; ++i) std::free(blocks[i]);  // the last one pins the heap's top
+  const int64_t before = RssAnonBytes();
+  EXPECT_EQ(TrimFreeHeap(int64_t{1} << 30), 0) << "under the bound: nothing to do";
+  const int64_t freed = TrimFreeHeap(int64_t{8} << 20);
+  EXPECT_GE(freed, int64_t{40} << 20);
+  const int64_t after = RssAnonBytes();
+  EXPECT_GE(before - after, int64_t{32} << 20) << "the free pages must leave the resident set";
+  std::free(blocks.back());
 }
 
 TEST(ConfigureMalloc, TheEnvironmentWins) {

@@ -287,7 +287,7 @@ cv::Mat ResizeBicubicLikePil(const cv::Mat& src, int out_w, int out_h) {
 
 }  // namespace
 
-std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorConfig& cfg) {
+CroppedImage CropImage(const RgbImage& image, const ImageProcessorConfig& cfg) {
   cv::Mat src(image.height, image.width, CV_8UC3, const_cast<uint8_t*>(image.pixels.data()));
   cv::Mat img = src;
   if (cfg.pad_to_square && image.width != image.height) {
@@ -316,14 +316,30 @@ std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorCo
     resized = img;
   }
   const int ch = cfg.crop_height, cw = cfg.crop_width;
-  std::vector<float> out(static_cast<size_t>(3) * ch * cw);
+  CroppedImage out;
+  out.height = ch;
+  out.width = cw;
+  out.rgb.assign(static_cast<size_t>(3) * ch * cw, 0);
   const int top = (resized.rows - ch) / 2, left = (resized.cols - cw) / 2;
+  out.top = std::max(0, -top);
+  out.left = std::max(0, -left);
+  out.bottom = std::min(ch, resized.rows - top);
+  out.right = std::min(cw, resized.cols - left);
+  for (int y = out.top; y < out.bottom; ++y) {
+    std::memcpy(out.rgb.data() + (static_cast<size_t>(y) * cw + out.left) * 3,
+                resized.ptr<uint8_t>(top + y) + 3 * (left + out.left),
+                static_cast<size_t>(out.right - out.left) * 3);
+  }
+  return out;
+}
+
+std::vector<float> NormalizeImage(const CroppedImage& crop, const ImageProcessorConfig& cfg) {
+  const int ch = crop.height, cw = crop.width;
+  std::vector<float> out(static_cast<size_t>(3) * ch * cw);
   for (int y = 0; y < ch; ++y) {
-    const int sy = top + y;
     for (int x = 0; x < cw; ++x) {
-      const int sx = left + x;
-      const bool inside = sy >= 0 && sy < resized.rows && sx >= 0 && sx < resized.cols;
-      const uint8_t* px = inside ? resized.ptr<uint8_t>(sy) + 3 * sx : nullptr;
+      const bool inside = y >= crop.top && y < crop.bottom && x >= crop.left && x < crop.right;
+      const uint8_t* px = crop.rgb.data() + (static_cast<size_t>(y) * cw + x) * 3;
       for (int c = 0; c < 3; ++c) {
         const float v = inside ? px[c] * static_cast<float>(cfg.rescale_factor) : 0.f;
         out[(static_cast<size_t>(c) * ch + y) * cw + x] =
@@ -332,6 +348,10 @@ std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorCo
     }
   }
   return out;
+}
+
+std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorConfig& cfg) {
+  return NormalizeImage(CropImage(image, cfg), cfg);
 }
 
 }  // namespace llava

@@ -44,8 +44,22 @@ struct RgbImage {
 StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limits,
                                const std::string& field);
 
-// CLIPImageProcessor: [pad to square with the mean colour], bicubic resize of the shorter side
-// to `shortest_edge`, center crop, rescale, normalize. Returns [3, crop_h, crop_w] floats (CHW).
+// An image resized and center-cropped to the vision tower's input, before rescaling and
+// normalisation: the bytes a request keeps until its images are encoded (a quarter of the
+// floats). Crop pixels that fall outside the resized image (a crop larger than it) lie outside
+// rows [top, bottom) x columns [left, right) and are normalised as black.
+struct CroppedImage {
+  int height = 0, width = 0;
+  std::vector<uint8_t> rgb;  // [height, width, 3]
+  int top = 0, left = 0, bottom = 0, right = 0;
+};
+
+// CLIPImageProcessor's geometry: [pad to square with the mean colour], bicubic resize of the
+// shorter side to `shortest_edge`, center crop.
+CroppedImage CropImage(const RgbImage& image, const ImageProcessorConfig& config);
+// Its arithmetic: rescale and normalize. Returns [3, crop_h, crop_w] floats (CHW).
+std::vector<float> NormalizeImage(const CroppedImage& crop, const ImageProcessorConfig& config);
+// Both: CLIPImageProcessor's output for `image`.
 std::vector<float> PreprocessImage(const RgbImage& image, const ImageProcessorConfig& config);
 
 }  // namespace llava

@@ -98,4 +98,17 @@ std::string ConfigureMalloc(const MallocSettings& settings) {
 #endif
 }
 
+int64_t TrimFreeHeap(int64_t keep_bytes) {
+#if defined(__GLIBC__)
+  const struct mallinfo2 info = mallinfo2();
+  const auto free_bytes = static_cast<int64_t>(info.fordblks);
+  if (free_bytes <= keep_bytes) return 0;
+  malloc_trim(0);
+  return free_bytes;
+#else
+  (void)keep_bytes;
+  return 0;
+#endif
+}
+
 }  // namespace llava

@@ -51,4 +51,12 @@ struct MallocSettings {
 // is in effect. Without glibc: does nothing and says so.
 std::string ConfigureMalloc(const MallocSettings& settings);
 
+// Bounds the free memory the allocator keeps between forward passes: when glibc's arenas hold
+// more than `keep_bytes` free (mallinfo2), gives the free pages back (malloc_trim) and returns
+// the free bytes it held; else returns 0 and does nothing. The high fixed mmap threshold above
+// keeps a pass's tensors on the heap, where the next pass reuses them without page faults, but
+// its free chunks fragment: a 7B-wide prefill of 256 rows left ~100 MB free beside ~90 MB live
+// (docs/BENCHMARKS.md, "The paged KV pool"). Without glibc: does nothing.
+int64_t TrimFreeHeap(int64_t keep_bytes);
+
 }  // namespace llava

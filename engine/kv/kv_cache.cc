@@ -373,6 +373,7 @@ class PagedKvCache final : public KvCache {
     return params_.position_mode == PositionMode::kCompressed ? len_[0] : tokens_seen_;
   }
 
+  int64_t PagesHeld() const override { return table_.num_pages(); }
   KvStats Stats() const override {
     KvStats s = LayerStats(len_, layout(), tokens_seen_);
     s.bytes_allocated = table_.num_pages() * pool_->page_bytes();

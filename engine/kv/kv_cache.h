@@ -118,6 +118,8 @@ class KvCache : public SequenceKv {
   // Rotary position of the next token fed (its true index for Full).
   virtual int64_t NextPosition() const = 0;
   virtual KvStats Stats() const = 0;
+  // Pool pages held now (0 for an unpooled cache): Stats().bytes_allocated / page bytes.
+  virtual int64_t PagesHeld() const { return 0; }
 };
 
 // A Full cache outside any pool, in growable per-layer buffers that autograd can flow through:

@@ -2,23 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include "engine/io/aten_dtype.h"
+
 namespace llava {
-namespace {
-
-at::ScalarType ScalarOf(DType d) {
-  switch (d) {
-    case DType::kF32:
-      return at::kFloat;
-    case DType::kF16:
-      return at::kHalf;
-    case DType::kBF16:
-      return at::kBFloat16;
-  }
-  return at::kFloat;
-}
-
-}  // namespace
-
 KvPool::KvPool(const KvLayout& layout, int64_t bytes, int64_t page_rows)
     : layout_(layout), page_rows_(page_rows), pages_([&] {
         TORCH_CHECK(page_rows > 0 && page_rows % 16 == 0, "KvPool: page_rows ", page_rows,
@@ -28,7 +14,7 @@ KvPool::KvPool(const KvLayout& layout, int64_t bytes, int64_t page_rows)
       }()) {
   storage_ = std::make_unique<at::Tensor>(at::empty(
       {layout.num_layers, 2, pages_.num_pages(), layout.kv_heads, page_rows, layout.head_dim},
-      at::TensorOptions().dtype(ScalarOf(layout.dtype)).device(at::Device(layout.device))));
+      at::TensorOptions().dtype(ScalarTypeOf(layout.dtype)).device(at::Device(layout.device))));
 }
 
 KvPool::~KvPool() = default;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <unordered_map>
 
+#include "engine/io/aten_dtype.h"
 #include "engine/io/weight_manifest.h"
 #include "engine/kernels/cpu_gemv.h"
 #include "engine/kernels/cpu_ops.h"
@@ -25,10 +26,6 @@ namespace llava {
 namespace {
 
 constexpr int64_t kQueryBlock = 256;  // prefill attention processes queries in blocks of this
-
-at::ScalarType ScalarTypeOf(DType d) {
-  return d == DType::kF32 ? at::kFloat : d == DType::kF16 ? at::kHalf : at::kBFloat16;
-}
 
 // A bf16 CPU tensor outside autograd: eligible for the fused loops below (the trainer's
 // forward keeps the ATen ops, whose backward it needs).

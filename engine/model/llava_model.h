@@ -42,8 +42,11 @@ struct Linear {
 // product of the CPU paths without AVX512-BF16, where ATen's bf16 matmul has no fast path.
 // x [rows, in], weight [out, in], bias [out] or undefined; bf16 or fp32 -> [rows, out] in x's
 // dtype. Each intra-op thread keeps its widened panel (bf16 weights) and its panel of fp32
-// outputs (bf16 rows) between calls: up to kLinearPanelFloats + rows x panel rows floats.
-constexpr int64_t kLinearPanelFloats = int64_t{1} << 22;  // 16 MiB of fp32 weights
+// outputs (bf16 rows) between calls: up to kLinearPanelFloats + rows x panel rows floats, which
+// is serving workspace. 8 MiB: 16 MiB per thread was most of a 7B-wide prefill's workspace, and
+// in an interleaved A/B at 7B prefill shapes (512 rows, AVX2 path) 8 MiB panels ran within 2%
+// of 16 MiB ones where 4 MiB ones lost 2-4% (docs/BENCHMARKS.md, "The paged KV pool").
+constexpr int64_t kLinearPanelFloats = int64_t{1} << 21;  // 8 MiB of fp32 weights
 constexpr int64_t kLinearChunkColumns = 4096;             // longer rows are added in chunks
 at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 

@@ -8,22 +8,12 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "engine/io/aten_dtype.h"
+
 namespace llava {
 namespace {
 
 bool FileExists(const std::string& path) { return std::ifstream(path).good(); }
-
-at::ScalarType ToScalarType(DType d) {
-  switch (d) {
-    case DType::kF32:
-      return at::kFloat;
-    case DType::kF16:
-      return at::kHalf;
-    case DType::kBF16:
-      return at::kBFloat16;
-  }
-  return at::kFloat;
-}
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
   std::string s = "[";
@@ -59,7 +49,7 @@ class TensorMapSource final : public WeightSource {
       return InvalidArgument(ShapeMismatch("weights", name, it->second.sizes().vec(), shape));
     }
     taken_.insert(name);
-    *out = it->second.to(at::Device(device), ToScalarType(dtype)).contiguous();
+    *out = it->second.to(at::Device(device), ScalarTypeOf(dtype)).contiguous();
     return Status::Ok();
   }
   Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const override {
@@ -149,7 +139,7 @@ Status CheckpointReader::Take(const std::string& canonical, const std::vector<in
     return InvalidArgument(ShapeMismatch(dir_, original_names_[canonical], info->shape, shape));
   }
   taken_.insert(canonical);
-  const at::ScalarType src_type = ToScalarType(info->dtype);
+  const at::ScalarType src_type = ScalarTypeOf(info->dtype);
   const bool aligned = reinterpret_cast<uintptr_t>(info->data) % DTypeSize(info->dtype) == 0;
   at::Tensor t;
   if (aligned) {
@@ -162,7 +152,7 @@ Status CheckpointReader::Take(const std::string& canonical, const std::vector<in
   if (info->dtype == dtype && dev.is_cpu() && aligned) {
     *out = t;  // aliases the read-only mapping: never written to
   } else {
-    *out = t.to(dev, ToScalarType(dtype), /*non_blocking=*/false, /*copy=*/true).contiguous();
+    *out = t.to(dev, ScalarTypeOf(dtype), /*non_blocking=*/false, /*copy=*/true).contiguous();
   }
   return Status::Ok();
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
 
 namespace llava {
@@ -55,6 +56,9 @@ struct Engine::Sequence {
 Engine::Engine(const ModelRunner& model, const EngineOptions& options)
     : model_(model),
       options_(options),
+      free_heap_max_bytes_(options.free_heap_max_bytes >= 0
+                               ? options.free_heap_max_bytes
+                               : std::max<int64_t>(int64_t{16} << 20, options.kv_cache_bytes / 20)),
       pool_(std::make_unique<KvPool>(model.kv_layout(), options.kv_cache_bytes)),
       scheduler_([&] {
         SchedulerConfig c;
@@ -201,9 +205,7 @@ void Engine::Loop() {
         int64_t growth = 0;  // what the running requests still grow by
         for (const auto& seq : running_) {
           if (!seq->cache || seq->state->done()) continue;
-          growth +=
-              std::max<int64_t>(0, seq->req->steady_pages -
-                                       seq->cache->Stats().bytes_allocated / pool_->page_bytes());
+          growth += std::max<int64_t>(0, seq->req->steady_pages - seq->cache->PagesHeld());
         }
         for (uint64_t id : scheduler_.Admit(pool_->pages().free_pages(), growth)) {
           auto it = pending_.find(id);
@@ -269,6 +271,9 @@ void Engine::Loop() {
     // weights are read once per turn, and with a prompt-row budget (prefill_chunk) a long
     // prompt is spread over several turns instead of stalling every stream for its whole length.
     Step();
+    // A 7B-wide prefill's transients, freed, stay on the heap in fragments (docs/BENCHMARKS.md,
+    // "The paged KV pool"); beyond the bound they go back to the system.
+    if (free_heap_max_bytes_ > 0) TrimFreeHeap(free_heap_max_bytes_);
 
     // Finished sequences: report and free their caches now. Answers that ran their course
     // (stop or length; not cancelled or failed, and not while preempted) teach admission how

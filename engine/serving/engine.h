@@ -49,6 +49,9 @@ struct EngineOptions {
   // starts and its floor (SchedulerConfig, scheduler.h). 0 and 0: admit by prompts alone.
   double initial_growth_ratio = 1.0;
   double min_growth_ratio = 0.1;
+  // Free heap memory kept between passes (TrimFreeHeap, runtime.h): above it, the free pages go
+  // back to the system after the pass. -1: 5% of kv_cache_bytes, at least 16 MiB; 0: never.
+  int64_t free_heap_max_bytes = -1;
 };
 
 // Receives one request's output, on the engine thread: it must not block.
@@ -148,6 +151,7 @@ class Engine final : public EngineApi {
 
   const ModelRunner& model_;
   const EngineOptions options_;
+  const int64_t free_heap_max_bytes_;  // resolved from options_; 0: never trim
   // Every running request's cache lives in it; declared before running_, so it outlives them.
   const std::unique_ptr<KvPool> pool_;
 

@@ -39,8 +39,15 @@ at::Tensor LoadedModel::EmbedPrompt(const PreparedRequest& prepared, double* vis
   at::Tensor features;
   if (prepared.num_images > 0) {
     const auto tv = std::chrono::steady_clock::now();
-    at::Tensor px = at::from_blob(const_cast<float*>(prepared.pixels.data()),
-                                  {prepared.num_images, 3, crop, crop}, at::kFloat);
+    // Normalised here, as the tower reads them: the floats live only for this call.
+    at::Tensor px = at::empty({prepared.num_images, 3, crop, crop}, at::kFloat);
+    for (int i = 0; i < prepared.num_images; ++i) {
+      const CroppedImage& image = prepared.images[static_cast<size_t>(i)];
+      TORCH_CHECK(image.height == crop && image.width == crop, "image ", i, " is cropped to ",
+                  image.height, "x", image.width, ", the vision tower reads ", crop, "x", crop);
+      const std::vector<float> p = NormalizeImage(image, model_->config().image_processor);
+      std::copy(p.begin(), p.end(), px.data_ptr<float>() + static_cast<int64_t>(i) * p.size());
+    }
     features = model_->EncodeImages(px);
     if (vision_seconds != nullptr) *vision_seconds = SecondsSince(tv);
   }

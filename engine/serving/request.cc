@@ -33,8 +33,7 @@ StatusOr<PreparedRequest> PrepareRequest(const GenerationRequest& req, const Lla
     const std::string field =
         i < req.image_fields.size() ? req.image_fields[i] : "images[" + std::to_string(i) + "]";
     LLAVA_ASSIGN_OR_RETURN(RgbImage img, DecodeImage(req.images[i], limits.image, field));
-    std::vector<float> p = PreprocessImage(img, cfg.image_processor);
-    out.pixels.insert(out.pixels.end(), p.begin(), p.end());
+    out.images.push_back(CropImage(img, cfg.image_processor));
   }
   LLAVA_ASSIGN_OR_RETURN(out.prompt,
                          BuildPrompt(tokenizer, req.messages, out.num_images, cfg.image_token_index,

@@ -52,8 +52,11 @@ struct GenerationResult {
 // A request checked and turned into model input.
 struct PreparedRequest {
   PromptTokens prompt;
-  PromptSegments segments;    // the prompt's images, instruction and system prompt
-  std::vector<float> pixels;  // [images, 3, S, S] preprocessed
+  PromptSegments segments;  // the prompt's images, instruction and system prompt
+  // Each image resized and cropped, normalised only when the vision tower encodes it: a
+  // request keeps 3 bytes per input pixel while it waits and runs (the prompt is encoded again
+  // after a preemption), not 12.
+  std::vector<CroppedImage> images;
   int num_images = 0;
 };
 

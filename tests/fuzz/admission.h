@@ -31,8 +31,12 @@ inline void CheckAdmission(const GenerationRequest& request) {
   LLAVA_FUZZ_CHECK(static_cast<int64_t>(prepared->prompt.ids.size()) +
                        request.sampling.max_tokens <=
                    model.config.text.max_position_embeddings);
-  LLAVA_FUZZ_CHECK(static_cast<int64_t>(prepared->pixels.size()) ==
-                   prepared->num_images * 3 * image.crop_height * image.crop_width);
+  LLAVA_FUZZ_CHECK(static_cast<int64_t>(prepared->images.size()) == prepared->num_images);
+  for (const CroppedImage& crop : prepared->images) {
+    LLAVA_FUZZ_CHECK(crop.height == image.crop_height && crop.width == image.crop_width);
+    LLAVA_FUZZ_CHECK(static_cast<int64_t>(crop.rgb.size()) ==
+                     int64_t{3} * image.crop_height * image.crop_width);
+  }
 }
 
 }  // namespace llava::fuzz
