@@ -94,6 +94,53 @@ TEST_F(PrepareRequestTest, ErrorsNameTheField) {
       << r.status().message();
 }
 
+// A PNG whose header says `width` x `height` and whose data is garbage: refused as corrupt only
+// if something tries to decode it.
+std::string UndecodablePng(uint32_t width, uint32_t height) {
+  std::string b("\x89PNG\r\n\x1a\n", 8);
+  b += std::string("\0\0\0\x0d", 4) + "IHDR";
+  for (uint32_t v : {width, height}) {
+    for (int shift = 24; shift >= 0; shift -= 8) b += static_cast<char>((v >> shift) & 0xFF);
+  }
+  b += std::string("\x08\x02\0\0\0", 5) + "crc!" + std::string(64, 'x');
+  return b;
+}
+
+// Every cheap check comes before any decode: too many images are refused by their count, and a
+// later image's header is checked before an earlier image is decoded (an attacker's 12 images of
+// 40 megapixels were once decoded for 21 s before the count refused them).
+TEST_F(PrepareRequestTest, ImagesAreCountedAndTheirHeadersCheckedBeforeAnyDecode) {
+  EngineLimits limits;
+  GenerationRequest many = ImageQuestion("How many?");
+  many.messages[0].content.clear();
+  many.images.clear();
+  for (int i = 0; i <= limits.prompt.max_images; ++i) {
+    many.messages[0].content.push_back({Kind::kImage, "", i});
+    many.images.push_back(UndecodablePng(32, 32));
+  }
+  many.messages[0].content.push_back({Kind::kText, "How many?", 0});
+  auto p = PrepareRequest(many, config_, *tok_, limits, 8);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(
+      p.status().message().find("more than the limit " + std::to_string(limits.prompt.max_images)),
+      std::string::npos)
+      << p.status().ToString();
+
+  GenerationRequest two = ImageQuestion("How many?");
+  two.messages[0].content.insert(two.messages[0].content.begin(), {Kind::kImage, "", 1});
+  two.images = {UndecodablePng(32, 32), UndecodablePng(30000, 30000)};
+  p = PrepareRequest(two, config_, *tok_, limits, 8);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("images[1]"), std::string::npos) << p.status().ToString();
+  EXPECT_NE(p.status().message().find("pixels exceeds the limit"), std::string::npos)
+      << p.status().ToString();
+  // Alone, the first one is only refused once decoded.
+  two.images = {UndecodablePng(32, 32), png_};
+  p = PrepareRequest(two, config_, *tok_, limits, 8);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("corrupt"), std::string::npos) << p.status().ToString();
+}
+
 TEST_F(PrepareRequestTest, TextThatCannotFitIsRefusedBeforeTokenizing) {
   // The tiny config's context is 512 tokens: at 32 bytes a token, 16 KiB of text at most.
   const std::string huge(50 << 20, 'a');  // tokenizing this would take seconds and gigabytes

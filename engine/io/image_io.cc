@@ -122,7 +122,7 @@ StatusOr<ImageInfo> ProbeImage(const std::string& bytes, const std::string& fiel
   return InvalidArgument(field + ": unsupported image format (expected JPEG, PNG, WebP or BMP)");
 }
 
-StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limits,
+StatusOr<ImageInfo> CheckImage(const std::string& bytes, const ImageLimits& limits,
                                const std::string& field) {
   if (bytes.size() > limits.max_encoded_bytes) {
     return InvalidArgument(field + " is " + std::to_string(bytes.size()) +
@@ -147,6 +147,12 @@ StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limi
                            std::to_string(info.height) + " pixels is more elongated than the " +
                            "limit of " + std::to_string(limits.max_aspect_ratio) + ":1");
   }
+  return info;
+}
+
+StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limits,
+                               const std::string& field) {
+  LLAVA_ASSIGN_OR_RETURN(ImageInfo info, CheckImage(bytes, limits, field));
   cv::Mat decoded;
   try {
     cv::Mat raw(1, static_cast<int>(bytes.size()), CV_8UC1, const_cast<char*>(bytes.data()));

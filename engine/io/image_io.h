@@ -39,6 +39,12 @@ struct RgbImage {
   std::vector<uint8_t> pixels;  // [height, width, 3] RGB, row-major
 };
 
+// What DecodeImage checks before it decodes a pixel: the encoded size, a header it can read,
+// the side, pixel count and aspect ratio within `limits`. Reads only the header, so a request's
+// images can all be checked before any of them is decoded.
+StatusOr<ImageInfo> CheckImage(const std::string& bytes, const ImageLimits& limits,
+                               const std::string& field);
+
 // Decodes JPEG, PNG, WebP or BMP into 8-bit RGB (grey expanded, alpha composited on white,
 // 16-bit scaled down). `field` names the input in errors ("messages[0].content[1].image").
 StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limits,

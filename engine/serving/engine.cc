@@ -71,6 +71,9 @@ Engine::Engine(const ModelRunner& model, const EngineOptions& options)
         c.max_queue = options.max_queue;
         return c;
       }()) {
+  prepare_slots_ = options.max_preparing > 0
+                       ? options.max_preparing
+                       : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   snapshot_.kv_budget_bytes = pool_->bytes();
   snapshot_.kv_pool_bytes = pool_->bytes();
   snapshot_.max_batch = options.max_batch;
@@ -90,15 +93,40 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
     std::lock_guard<std::mutex> lock(mu_);
     if (!accepting_) return Unavailable("the server is shutting down");
     LLAVA_RETURN_IF_ERROR(CheckIdFreeLocked(id));
-    if (scheduler_.waiting() >= options_.max_queue) {
+    // Requests still being prepared count against the queue: a burst of image requests cannot
+    // start more decodes than the queue has places.
+    if (scheduler_.waiting() + preparing_ >= options_.max_queue) {
       return ResourceExhausted("the request queue is full (" +
-                               std::to_string(scheduler_.waiting()) + " waiting)");
+                               std::to_string(scheduler_.waiting() + preparing_) + " waiting)");
     }
+    ++preparing_;
   }
-  LLAVA_ASSIGN_OR_RETURN(PreparedRequest prepared,
-                         PrepareRequest(request, model_.config(), model_.tokenizer(),
-                                        options_.limits, request.sampling.max_tokens));
-  return Enqueue(id, request, std::move(prepared), std::move(observer), deadline, now);
+  // Until the request is queued or refused it holds a place counted against the queue and,
+  // while it decodes, one of max_preparing turns; both are given back however this returns.
+  struct Preparing {
+    Engine* e;
+    explicit Preparing(Engine* engine) : e(engine) {
+      std::unique_lock<std::mutex> turn(e->prepare_mu_);
+      e->prepare_cv_.wait(turn, [this] { return e->prepare_slots_ > 0; });
+      --e->prepare_slots_;
+    }
+    ~Preparing() {
+      {
+        std::lock_guard<std::mutex> turn(e->prepare_mu_);
+        ++e->prepare_slots_;
+      }
+      e->prepare_cv_.notify_one();
+      std::lock_guard<std::mutex> lock(e->mu_);
+      --e->preparing_;
+    }
+  };
+  StatusOr<PreparedRequest> prepared = [&] {
+    Preparing turn(this);
+    return PrepareRequest(request, model_.config(), model_.tokenizer(), options_.limits,
+                          request.sampling.max_tokens);
+  }();
+  if (!prepared.ok()) return prepared.status();
+  return Enqueue(id, request, std::move(prepared).value(), std::move(observer), deadline, now);
 }
 
 Status Engine::Submit(uint64_t id, const GenerationRequest& request, PreparedRequest prepared,

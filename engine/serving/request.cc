@@ -28,11 +28,21 @@ StatusOr<PreparedRequest> PrepareRequest(const GenerationRequest& req, const Lla
   }
   PreparedRequest out;
   out.num_images = static_cast<int>(req.images.size());
-  // Images: decode and preprocess before touching the model, so bad input fails fast.
+  // Images: every cheap check (how many, each one's bytes and header) before any pixel is
+  // decoded, then decode and crop before touching the model, so bad input fails fast.
+  if (out.num_images > limits.prompt.max_images) {
+    return InvalidArgument("the request has " + std::to_string(out.num_images) +
+                           " images, more than the limit " +
+                           std::to_string(limits.prompt.max_images));
+  }
+  auto field = [&req](size_t i) {
+    return i < req.image_fields.size() ? req.image_fields[i] : "images[" + std::to_string(i) + "]";
+  };
   for (size_t i = 0; i < req.images.size(); ++i) {
-    const std::string field =
-        i < req.image_fields.size() ? req.image_fields[i] : "images[" + std::to_string(i) + "]";
-    LLAVA_ASSIGN_OR_RETURN(RgbImage img, DecodeImage(req.images[i], limits.image, field));
+    LLAVA_RETURN_IF_ERROR(CheckImage(req.images[i], limits.image, field(i)).status());
+  }
+  for (size_t i = 0; i < req.images.size(); ++i) {
+    LLAVA_ASSIGN_OR_RETURN(RgbImage img, DecodeImage(req.images[i], limits.image, field(i)));
     out.images.push_back(CropImage(img, cfg.image_processor));
   }
   LLAVA_ASSIGN_OR_RETURN(out.prompt,
