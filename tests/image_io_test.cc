@@ -49,6 +49,58 @@ TEST(ImageIo, GreyAndAlphaBecomeRgb) {
             (std::vector<uint8_t>{255, 255, 255, 255, 0, 0}));
 }
 
+// 16-bit PNGs decode row by row into 8-bit RGB (v / 257, rounded), alpha composited on white;
+// the header tells what the decode costs before any pixel is read.
+TEST(ImageIo, SixteenBitImagesDecodeAndTheirCostIsKnownFromTheHeader) {
+  cv::Mat rgba16(3, 5, CV_16UC4, cv::Scalar(0x0101 * 10, 0x0101 * 20, 0x0101 * 200, 0xFFFF));
+  rgba16.at<cv::Vec4w>(2, 4) = cv::Vec4w(0, 0, 0, 0);  // transparent: white
+  const std::string png16 = Encode(rgba16, ".png");
+  auto info = ProbeImage(png16, "img");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->decoded_bytes_per_pixel, 8);
+  EXPECT_EQ(ImageDecodeBytes(*info), 5 * 3 * (8 + 3));
+  auto out = DecodeImage(png16, {}, "img");
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_EQ(out->pixels.size(), 5u * 3u * 3u);
+  for (int p = 0; p < 14; ++p) {  // BGR (10, 20, 200) as RGB
+    EXPECT_EQ(out->pixels[3 * p], 200) << p;
+    EXPECT_EQ(out->pixels[3 * p + 1], 20) << p;
+    EXPECT_EQ(out->pixels[3 * p + 2], 10) << p;
+  }
+  EXPECT_EQ(std::vector<uint8_t>(out->pixels.end() - 3, out->pixels.end()),
+            (std::vector<uint8_t>{255, 255, 255}));
+
+  const std::string grey8 = Encode(cv::Mat(4, 4, CV_8UC1, cv::Scalar(9)), ".png");
+  EXPECT_EQ(ProbeImage(grey8, "img")->decoded_bytes_per_pixel, 1);
+  const std::string rgb16 = Encode(cv::Mat(4, 4, CV_16UC3, cv::Scalar(0, 0, 0xFFFF)), ".png");
+  EXPECT_EQ(ProbeImage(rgb16, "img")->decoded_bytes_per_pixel, 6);
+  auto red = DecodeImage(rgb16, {}, "img");
+  ASSERT_TRUE(red.ok());
+  EXPECT_EQ(std::vector<uint8_t>(red->pixels.begin(), red->pixels.begin() + 3),
+            (std::vector<uint8_t>{255, 0, 0}));
+}
+
+// A progressive JPEG is several scans, each a pass over the image: counted from the markers
+// before decoding, and refused past the limit.
+TEST(ImageIo, JpegScansAreCountedBeforeDecoding) {
+  std::vector<uint8_t> buf;
+  ASSERT_TRUE(cv::imencode(".jpg", Solid(64, 48, cv::Scalar(10, 120, 240)), buf,
+                           {cv::IMWRITE_JPEG_PROGRESSIVE, 1}));
+  const std::string progressive(buf.begin(), buf.end());
+  int scans = 0;
+  for (size_t i = 0; i + 1 < buf.size(); ++i) scans += buf[i] == 0xFF && buf[i + 1] == 0xDA;
+  ASSERT_GT(scans, 3) << "libjpeg's progressive script has several scans";
+  EXPECT_TRUE(DecodeImage(progressive, ImageLimits{}, "img").ok());
+  ImageLimits few;
+  few.max_jpeg_scans = 3;
+  auto r = CheckImage(progressive, few, "images[0]");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("images[0]: JPEG of more than 3 scans"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_TRUE(CheckImage(Encode(Solid(64, 48, cv::Scalar(1, 2, 3)), ".jpg"), few, "img").ok())
+      << "a baseline JPEG is one scan";
+}
+
 TEST(ImageIo, RefusesBadInputWithoutCrashing) {
   const std::string png = Encode(Solid(16, 16, cv::Scalar(1, 2, 3)), ".png");
   const std::string jpg = Encode(Solid(16, 16, cv::Scalar(1, 2, 3)), ".jpg");

@@ -92,10 +92,16 @@ StatusOr<ImageInfo> ProbeImage(const std::string& bytes, const std::string& fiel
   if (n == 0) return InvalidArgument(field + " is empty");
   static const uint8_t kPngSig[8] = {0x89, 'P', 'N', 'G', 0x0D, 0x0A, 0x1A, 0x0A};
   if (n >= 8 && std::memcmp(d, kPngSig, 8) == 0) {
-    if (n < 24 || std::memcmp(d + 12, "IHDR", 4) != 0) return Truncated(field, "PNG");
-    return ImageInfo{ImageFormat::kPng,
-                     static_cast<int>(std::min<uint32_t>(Be32(d + 16), 1u << 30)),
-                     static_cast<int>(std::min<uint32_t>(Be32(d + 20), 1u << 30))};
+    if (n < 26 || std::memcmp(d + 12, "IHDR", 4) != 0) return Truncated(field, "PNG");
+    ImageInfo info;
+    info.format = ImageFormat::kPng;
+    info.width = static_cast<int>(std::min<uint32_t>(Be32(d + 16), 1u << 30));
+    info.height = static_cast<int>(std::min<uint32_t>(Be32(d + 20), 1u << 30));
+    // Colour type 0 is grey, 2 RGB; the others (palette, grey + alpha, RGBA) may decode to 4
+    // channels.
+    const int channels = d[25] == 0 ? 1 : d[25] == 2 ? 3 : 4;
+    info.decoded_bytes_per_pixel = channels * (d[24] == 16 ? 2 : 1);
+    return info;
   }
   if (n >= 3 && d[0] == 0xFF && d[1] == 0xD8 && d[2] == 0xFF) return ProbeJpeg(d, n, field);
   if (n >= 12 && std::memcmp(d, "RIFF", 4) == 0 && std::memcmp(d + 8, "WEBP", 4) == 0) {
@@ -122,6 +128,10 @@ StatusOr<ImageInfo> ProbeImage(const std::string& bytes, const std::string& fiel
   return InvalidArgument(field + ": unsupported image format (expected JPEG, PNG, WebP or BMP)");
 }
 
+int64_t ImageDecodeBytes(const ImageInfo& info) {
+  return int64_t{info.width} * info.height * (info.decoded_bytes_per_pixel + 3);
+}
+
 StatusOr<ImageInfo> CheckImage(const std::string& bytes, const ImageLimits& limits,
                                const std::string& field) {
   if (bytes.size() > limits.max_encoded_bytes) {
@@ -139,6 +149,19 @@ StatusOr<ImageInfo> CheckImage(const std::string& bytes, const ImageLimits& limi
                            std::to_string(info.height) + " pixels exceeds the limit of " +
                            std::to_string(limits.max_pixels) + " pixels (side " +
                            std::to_string(limits.max_side) + ")");
+  }
+  if (info.format == ImageFormat::kJpeg) {
+    // Every start-of-scan marker: in entropy-coded data a 0xFF byte is followed by 0x00 or a
+    // restart marker, so FF DA occurs only as a marker (an embedded thumbnail's count too).
+    int scans = 0;
+    for (size_t i = 0; i + 1 < bytes.size(); ++i) {
+      if (static_cast<uint8_t>(bytes[i]) == 0xFF && static_cast<uint8_t>(bytes[i + 1]) == 0xDA &&
+          ++scans > limits.max_jpeg_scans) {
+        return InvalidArgument(field + ": JPEG of more than " +
+                               std::to_string(limits.max_jpeg_scans) +
+                               " scans (each is a pass over the whole image)");
+      }
+    }
   }
   const int long_side = std::max(info.width, info.height);
   const int short_side = std::min(info.width, info.height);
@@ -166,41 +189,45 @@ StatusOr<RgbImage> DecodeImage(const std::string& bytes, const ImageLimits& limi
   if (decoded.cols != info.width || decoded.rows != info.height) {
     return InvalidArgument(field + ": decoded size differs from the header (corrupt data)");
   }
-  if (decoded.depth() == CV_16U) {
-    decoded.convertTo(decoded, CV_MAKETYPE(CV_8U, decoded.channels()), 1.0 / 257.0);
-  } else if (decoded.depth() != CV_8U) {
+  const int channels = decoded.channels();
+  const bool wide = decoded.depth() == CV_16U;
+  if (!wide && decoded.depth() != CV_8U) {
     return InvalidArgument(field + ": unsupported pixel depth");
   }
-  cv::Mat rgb;
-  switch (decoded.channels()) {
-    case 1:
-      cv::cvtColor(decoded, rgb, cv::COLOR_GRAY2RGB);
-      break;
-    case 3:
-      cv::cvtColor(decoded, rgb, cv::COLOR_BGR2RGB);
-      break;
-    case 4: {
+  if (channels != 1 && channels != 3 && channels != 4) {
+    return InvalidArgument(field + ": unsupported channel count");
+  }
+  // Row by row into the result, so that the decoder's buffer is the only other full-size one
+  // (a 16-bit RGBA image is 8 bytes a pixel; converting it whole held three copies).
+  RgbImage out;
+  out.width = decoded.cols;
+  out.height = decoded.rows;
+  out.pixels.resize(static_cast<size_t>(out.width) * out.height * 3);
+  cv::Mat rgb(out.height, out.width, CV_8UC3, out.pixels.data());
+  cv::Mat narrow;
+  for (int y = 0; y < decoded.rows; ++y) {
+    cv::Mat src = decoded.row(y);
+    if (wide) {
+      src.convertTo(narrow, CV_MAKETYPE(CV_8U, channels), 1.0 / 257.0);
+      src = narrow;
+    }
+    cv::Mat dst = rgb.row(y);  // a view: written in place
+    if (channels == 1) {
+      cv::cvtColor(src, dst, cv::COLOR_GRAY2RGB);
+    } else if (channels == 3) {
+      cv::cvtColor(src, dst, cv::COLOR_BGR2RGB);
+    } else {
       // Composite on white, as transformers' convert_to_rgb does.
-      rgb.create(decoded.rows, decoded.cols, CV_8UC3);
-      for (int y = 0; y < decoded.rows; ++y) {
-        const uint8_t* s = decoded.ptr<uint8_t>(y);
-        uint8_t* t = rgb.ptr<uint8_t>(y);
-        for (int x = 0; x < decoded.cols; ++x, s += 4, t += 3) {
-          const int a = s[3];
-          for (int c = 0; c < 3; ++c) {  // BGRA -> RGB
-            t[c] = static_cast<uint8_t>((s[2 - c] * a + 255 * (255 - a) + 127) / 255);
-          }
+      const uint8_t* s = src.ptr<uint8_t>(0);
+      uint8_t* t = dst.ptr<uint8_t>(0);
+      for (int x = 0; x < decoded.cols; ++x, s += 4, t += 3) {
+        const int a = s[3];
+        for (int c = 0; c < 3; ++c) {  // BGRA -> RGB
+          t[c] = static_cast<uint8_t>((s[2 - c] * a + 255 * (255 - a) + 127) / 255);
         }
       }
-      break;
     }
-    default:
-      return InvalidArgument(field + ": unsupported channel count");
   }
-  RgbImage out;
-  out.width = rgb.cols;
-  out.height = rgb.rows;
-  out.pixels.assign(rgb.data, rgb.data + rgb.total() * 3);
   return out;
 }
 

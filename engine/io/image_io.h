@@ -24,12 +24,23 @@ struct ImageLimits {
   // Longer side / shorter side. Preprocessing scales the shorter side to the vision tower's
   // input, so a 1 x 16384 image would become a 336 x 5.5M intermediate (7 GB): refused first.
   int max_aspect_ratio = 20;
+  // Scans of a (progressive) JPEG: each is a pass over every coefficient, so a file of
+  // thousands of tiny scans costs seconds of CPU per megabyte (one of 2,090 scans took ~20 s).
+  // Encoders write 1 (baseline) to ~10 (progressive).
+  int max_jpeg_scans = 64;
 };
 
 struct ImageInfo {
   ImageFormat format = ImageFormat::kUnknown;
   int width = 0, height = 0;
+  // What the decoder allocates per pixel, at most (PNG: from its bit depth and colour type, 16-bit
+  // RGBA is 8; the other formats 4).
+  int decoded_bytes_per_pixel = 4;
 };
+
+// The memory DecodeImage holds at its peak for an image of this header: the decoder's buffer
+// and the RGB copy.
+int64_t ImageDecodeBytes(const ImageInfo& info);
 
 // Reads the format and dimensions from the header without decoding pixels.
 StatusOr<ImageInfo> ProbeImage(const std::string& bytes, const std::string& field);

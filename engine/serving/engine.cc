@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "engine/io/image_io.h"
 #include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
 
@@ -71,9 +72,17 @@ Engine::Engine(const ModelRunner& model, const EngineOptions& options)
         c.max_queue = options.max_queue;
         return c;
       }()) {
-  prepare_slots_ = options.max_preparing > 0
-                       ? options.max_preparing
-                       : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int turns = options.max_preparing > 0
+                        ? options.max_preparing
+                        : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  ImageInfo largest;
+  largest.format = ImageFormat::kPng;
+  largest.width = static_cast<int>(std::min<int64_t>(options.limits.image.max_pixels, 1 << 30));
+  largest.height = 1;
+  largest.decoded_bytes_per_pixel = 8;  // 16-bit RGBA
+  prepare_gate_ = std::make_unique<PrepareGate>(turns, options.decode_budget_bytes >= 0
+                                                           ? options.decode_budget_bytes
+                                                           : ImageDecodeBytes(largest));
   snapshot_.kv_budget_bytes = pool_->bytes();
   snapshot_.kv_pool_bytes = pool_->bytes();
   snapshot_.max_batch = options.max_batch;
@@ -102,26 +111,22 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
     ++preparing_;
   }
   // Until the request is queued or refused it holds a place counted against the queue and,
-  // while it decodes, one of max_preparing turns; both are given back however this returns.
+  // while it decodes, a turn with its largest image's decode memory (PrepareGate); both are
+  // given back however this returns.
   struct Preparing {
     Engine* e;
-    explicit Preparing(Engine* engine) : e(engine) {
-      std::unique_lock<std::mutex> turn(e->prepare_mu_);
-      e->prepare_cv_.wait(turn, [this] { return e->prepare_slots_ > 0; });
-      --e->prepare_slots_;
-    }
     ~Preparing() {
-      {
-        std::lock_guard<std::mutex> turn(e->prepare_mu_);
-        ++e->prepare_slots_;
-      }
-      e->prepare_cv_.notify_one();
       std::lock_guard<std::mutex> lock(e->mu_);
       --e->preparing_;
     }
-  };
+  } place{this};
+  int64_t decode_bytes = 0;
+  for (const std::string& image : request.images) {
+    StatusOr<ImageInfo> info = ProbeImage(image, "");  // a bad header is refused by Prepare
+    if (info.ok()) decode_bytes = std::max(decode_bytes, ImageDecodeBytes(*info));
+  }
   StatusOr<PreparedRequest> prepared = [&] {
-    Preparing turn(this);
+    PrepareGate::Turn turn(prepare_gate_.get(), decode_bytes);
     return PrepareRequest(request, model_.config(), model_.tokenizer(), options_.limits,
                           request.sampling.max_tokens);
   }();

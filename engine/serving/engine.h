@@ -29,6 +29,7 @@
 
 #include "engine/kv/kv_pool.h"
 #include "engine/serving/model_runner.h"
+#include "engine/serving/prepare_gate.h"
 #include "engine/serving/request.h"
 #include "engine/serving/scheduler.h"
 
@@ -41,9 +42,13 @@ struct EngineOptions {
   int64_t kv_cache_bytes = int64_t{4} << 30;
   int max_batch = 8;   // running requests at most
   int max_queue = 64;  // waiting requests at most, counting those still being prepared
-  // Requests whose images are decoded at once (Submit waits for a turn); 0: one per core. The
-  // memory of decoding is then bounded by this many requests' image limits.
+  // Requests whose images are decoded at once (Submit waits for a turn); 0: one per core.
   int max_preparing = 0;
+  // Decode memory between them (PrepareGate, prepare_gate.h): each claims what its largest
+  // image takes to decode, from the headers. -1: what one image at the limits takes
+  // (limits.image.max_pixels at 16-bit RGBA, plus its RGB copy), so that concurrent image
+  // bombs cost no more than one.
+  int64_t decode_budget_bytes = -1;
   // Prompt rows fed per loop turn, over all requests still prefilling (chunked prefill, as
   // vLLM's max_num_batched_tokens); 0 = every prompt whole in its admission turn. A turn with
   // a long prompt otherwise delays every running stream's next token by its whole prefill.
@@ -171,10 +176,8 @@ class Engine final : public EngineApi {
   std::vector<std::unique_ptr<Sequence>> running_;  // engine thread only
   std::vector<uint64_t> running_ids_;               // guarded by mu_ (for Submit's id check)
   int preparing_ = 0;  // guarded by mu_: submitted, not yet queued (decoding, tokenizing)
-  // Turns to decode a request's images (EngineOptions::max_preparing).
-  std::mutex prepare_mu_;
-  std::condition_variable prepare_cv_;
-  int prepare_slots_ = 0;    // guarded by prepare_mu_
+  // Turns and decode memory to prepare requests (max_preparing, decode_budget_bytes).
+  std::unique_ptr<PrepareGate> prepare_gate_;
   int64_t preemptions_ = 0;  // guarded by mu_
   // Ends recorded this loop turn, delivered after caches are freed. Engine thread only.
   std::vector<std::pair<std::shared_ptr<RequestObserver>, StatusOr<GenerationResult>>> completions_;
