@@ -17,7 +17,7 @@ RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       libtorch1.13 libopenblas0-pthread libopencv-core406 libopencv-imgproc406 \
       libopencv-imgcodecs406 libspdlog1.10 libprotobuf32 libgrpc++1.51 libprometheus-cpp-core1.0 \
-      libcpp-httplib0.11 \
+      libssl3 \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/build/llava-server /src/build/llava-chat /src/build/llava-generate /usr/local/bin/
 COPY models/shapes-llava /opt/llava/models/shapes-llava

@@ -16,7 +16,9 @@ PACKAGES=(
   # API / server / metrics
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev
-  libcpp-httplib-dev                  # the OpenAI-compatible HTTP API and /metrics
+  libboost1.81-dev                    # Boost.Beast (header-only): the HTTP API and /metrics
+  libssl-dev                          # their TLS, and the certificate callback (server/tls.cc)
+  libcpp-httplib-dev                  # llava-load's HTTP client
 )
 # Tests, benchmarks, the trainer and the developer tools.
 DEV_PACKAGES=(

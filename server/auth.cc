@@ -104,8 +104,16 @@ void TokenStore::ReloadIfChangedLocked() {
                  parsed.status().ToString());
     return;
   }
-  tokens_ = inline_;
-  tokens_.insert(tokens_.end(), parsed->begin(), parsed->end());
+  std::vector<std::pair<std::string, std::string>> next = inline_;
+  next.insert(next.end(), parsed->begin(), parsed->end());
+  if (next.empty()) {
+    // Start-up refuses an empty set; a reload must not lock everyone out either (a rotation
+    // that truncates the file, then writes it, is read in between).
+    spdlog::error("auth tokens not reloaded: {} has no tokens; keeping the previous {}", file_,
+                  tokens_.size());
+    return;
+  }
+  tokens_ = std::move(next);
   spdlog::info("auth tokens reloaded from {}: {} tokens", file_, tokens_.size());
 }
 

@@ -1,27 +1,26 @@
 // The service's metrics endpoint: GET /metrics (Prometheus text) and GET /healthz (the
-// Kubernetes probes), served by one thread of its own that multiplexes every connection with
-// poll(2), so that idle or slow clients cannot hold the probe: each connection has one deadline
-// for its whole request and response (not a per-read timeout that a byte a second resets), the
-// number of open connections is capped and a new one closes the oldest, and only the exact
-// paths are served. prometheus-cpp's own exposer (civetweb) cannot start its threads in a
-// libtorch + OpenBLAS process (DESIGN.md section 6); a std::thread with the default stack can.
+// Kubernetes probes), on an HttpServer of its own (http_server.h: one I/O thread, deadlines on
+// every connection, a connection cap where a new one closes the oldest waiting one), one request
+// per connection, exact paths only. prometheus-cpp's own exposer (civetweb) cannot start its
+// threads in a libtorch + OpenBLAS process (docs/ARCHITECTURE.md); a std::thread can.
 //
-// Thread safety: Start and Stop from one thread; the callbacks run on the endpoint's thread.
+// Thread safety: Start and Stop from one thread; the callbacks run on the endpoint's I/O thread.
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 
 namespace llava::server {
 
+class HttpServer;
+
 class MetricsHttpServer {
  public:
   struct Limits {
-    int max_connections = 128;        // open at once; a new one closes the oldest
-    int request_timeout_ms = 5000;    // from accept to the last byte of the response
+    int max_connections = 128;        // open at once; a new one closes the oldest waiting one
+    int request_timeout_ms = 5000;    // to the complete request head; each response write
     size_t max_request_bytes = 8192;  // request line and headers; more is a 431
   };
   // `metrics` is called per scrape and returns the body; `healthy` for /healthz.
@@ -35,17 +34,10 @@ class MetricsHttpServer {
   void Stop();
 
  private:
-  struct Connection;
-  void Loop();
-  // The whole response to the request head in `head` (without the blank line).
-  std::string Respond(const std::string& head) const;
-
-  std::function<std::string()> metrics_;
-  std::function<bool()> healthy_;
+  class Routes;
+  std::unique_ptr<Routes> routes_;
   const Limits limits_;
-  int listen_fd_ = -1;
-  int wake_[2] = {-1, -1};  // a pipe: Stop writes, the loop wakes and returns
-  std::thread thread_;
+  std::unique_ptr<HttpServer> server_;
 };
 
 // Binds a non-blocking listening socket to "host:port" ("" host = all interfaces, "[::1]" for

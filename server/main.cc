@@ -54,6 +54,20 @@ llava::server::ModelFacts FactsOf(const llava::LoadedModel& model, const std::st
   return f;
 }
 
+// An expired certificate is refused by every client; one close to it soon will be. Said at start
+// and on SIGHUP; llava_tls_certificate_expiry_seconds says it to the monitoring.
+void WarnIfExpiring(const std::string& cert) {
+  if (cert.empty()) return;
+  auto left = llava::server::CertificateSecondsLeft(cert);
+  if (!left.ok()) return;
+  const double days = static_cast<double>(*left) / 86400;
+  if (*left <= 0) {
+    spdlog::warn("--tls-cert {} expired {:.1f} days ago: clients refuse it", cert, -days);
+  } else if (days < 14) {
+    spdlog::warn("--tls-cert {} expires in {:.1f} days", cert, days);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -86,12 +100,14 @@ int main(int argc, char** argv) {
       ->envname(env("HTTP_MAX_BODY_BYTES"))
       ->check(CLI::NonNegativeNumber);
   app.add_option("--http-threads", http_threads,
-                 "HTTP requests served at once (0 = --max-batch + --max-queue + 4)")
+                 "HTTP requests parsed and submitted at once (JSON, images; 0 = one per core, "
+                 "at least 4); waiting for the engine holds none")
       ->envname(env("HTTP_THREADS"))
       ->check(CLI::NonNegativeNumber);
   int http_max_connections = 1024;
   app.add_option("--http-max-connections", http_max_connections,
-                 "HTTP connections open at once; a new one closes the oldest idle one")
+                 "HTTP connections open at once; a new one closes the oldest that waits for a "
+                 "request, else it is answered 503")
       ->envname(env("HTTP_MAX_CONNECTIONS"))
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -310,6 +326,10 @@ int main(int argc, char** argv) {
       [&] {
         metrics.UpdateFromEngine(engine.Snapshot());
         metrics.UpdateProcess();
+        if (!tls.cert.empty()) {
+          auto left = llava::server::CertificateSecondsLeft(tls.cert);
+          if (left.ok()) metrics.SetCertificateSecondsLeft(static_cast<double>(*left));
+        }
         return metrics.Serialize();
       },
       [&] { return serving.load(); });
@@ -330,7 +350,9 @@ int main(int argc, char** argv) {
     oc.max_body_bytes = http_max_body_bytes > 0
                             ? static_cast<size_t>(http_max_body_bytes)
                             : static_cast<size_t>(max_image_bytes * max_images / 3 * 4 + (1 << 20));
-    oc.threads = http_threads > 0 ? http_threads : max_batch + max_queue + 4;
+    oc.threads = http_threads > 0
+                     ? http_threads
+                     : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
     oc.max_connections = http_max_connections;
     oc.tls = tls;  // the same certificate, key and client CA as the gRPC port
     openai = std::make_unique<llava::server::OpenAiServer>(&gate, oc);
@@ -352,6 +374,7 @@ int main(int argc, char** argv) {
     spdlog::error("{}", credentials.status().ToString());
     return 2;
   }
+  WarnIfExpiring(tls.cert);
   if (!tls.cert.empty()) {
     spdlog::info(
         "gRPC over TLS ({}), files re-read every {} s",
@@ -388,6 +411,7 @@ int main(int argc, char** argv) {
       spdlog::info("SIGHUP: HTTP API certificate {}",
                    openai->ReloadTls() ? "reloaded" : "unchanged or not loadable, kept");
     }
+    WarnIfExpiring(tls.cert);
     if (!tls.cert.empty()) {
       spdlog::info("SIGHUP: the gRPC port reads its certificate within {} s", tls.reload_seconds);
     }

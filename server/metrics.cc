@@ -122,14 +122,23 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
   for (const char* api : {"grpc", "openai"}) status_->Add({{"code", "OK"}, {"api", api}});
   http_connections_ =
       gauge("llava_http_connections", "Connections open on the OpenAI-compatible HTTP port.");
+  certificate_family_ = &BuildGauge()
+                             .Name("llava_tls_certificate_expiry_seconds")
+                             .Help(
+                                 "Seconds until the TLS certificate (--tls-cert, as on disk) "
+                                 "expires; negative once it has. Only with TLS.")
+                             .Register(*registry_);
   http_closed_ = &BuildCounter()
                       .Name("llava_http_connections_closed_total")
                       .Help(
                           "HTTP API connections the server closed for a limit, by reason: cap "
-                          "(the oldest idle one, for a new one), head_timeout, head_too_large, "
+                          "(the oldest waiting for a request, for a new one), refused (a new "
+                          "one at the cap, answered 503), head_timeout, head_too_large, "
+                          "body_timeout, body_too_large, write_timeout, bad_request, "
                           "tls_handshake.")
                       .Register(*registry_);
-  for (const char* r : {"cap", "head_timeout", "head_too_large", "tls_handshake"}) {
+  for (const char* r : {"cap", "refused", "head_timeout", "head_too_large", "body_timeout",
+                        "body_too_large", "write_timeout", "bad_request", "tls_handshake"}) {
     http_closed_->Add({{"reason", r}});
   }
 

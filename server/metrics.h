@@ -33,9 +33,15 @@ class ServingMetrics {
   void RecordUnauthenticated(const std::string& api) {
     status_->Add({{"code", "UNAUTHENTICATED"}, {"api", api}}).Increment();
   }
-  // The OpenAI-compatible port's connections (http_front.h): open now, and those the server
+  // The OpenAI-compatible port's connections (http_server.h): open now, and those the server
   // closed for a limit, by reason.
   void SetHttpConnections(int open) { http_connections_->Set(open); }
+  // Seconds until the served certificate expires (negative once expired); the series exists
+  // only once this is called (servers with TLS).
+  void SetCertificateSecondsLeft(double seconds) {
+    if (certificate_left_ == nullptr) certificate_left_ = &certificate_family_->Add({});
+    certificate_left_->Set(seconds);
+  }
   void RecordHttpConnectionClosed(const char* reason) {
     http_closed_->Add({{"reason", reason}}).Increment();
   }
@@ -87,6 +93,8 @@ class ServingMetrics {
   prometheus::Family<prometheus::Counter>* status_;    // by gRPC status code and API
   prometheus::Gauge* http_connections_;
   prometheus::Family<prometheus::Counter>* http_closed_;  // by reason
+  prometheus::Family<prometheus::Gauge>* certificate_family_;
+  prometheus::Gauge* certificate_left_ = nullptr;  // with TLS
 };
 
 }  // namespace llava::server

@@ -28,6 +28,55 @@ const char* TypeName(const json& v) {
   }
 }
 
+// Nesting and size that a chat request never needs; the DOM of what passes costs a bounded
+// multiple of its bytes (30 MB of '[' cost 1.5 GB as a DOM).
+constexpr int kMaxJsonDepth = 32;
+constexpr int64_t kMaxJsonValues = 65536;
+
+// Checks the body's nesting and number of values before any DOM is built: one pass over the
+// bytes, no allocation. What is not JSON is left to the parser.
+Status CheckJsonShape(std::string_view body) {
+  int depth = 0;
+  int64_t values = 1;
+  bool in_string = false;
+  for (size_t i = 0; i < body.size(); ++i) {
+    const char c = body[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;  // the escaped character, whatever it is
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    switch (c) {
+      case '"':
+        in_string = true;
+        break;
+      case '[':
+      case '{':
+        if (++depth > kMaxJsonDepth) {
+          return InvalidArgument("the request body nests deeper than " +
+                                 std::to_string(kMaxJsonDepth) + " levels");
+        }
+        break;
+      case ']':
+      case '}':
+        --depth;
+        break;
+      case ',':
+        if (++values > kMaxJsonValues) {
+          return InvalidArgument("the request body has more than " +
+                                 std::to_string(kMaxJsonValues) + " JSON values");
+        }
+        break;
+      default:
+        break;
+    }
+  }
+  return Status::Ok();
+}
+
 Status WrongType(const std::string& field, const char* want, const json& v) {
   return InvalidArgument(field + " must be " + want + ", got " + TypeName(v));
 }
@@ -384,6 +433,7 @@ StatusOr<std::string> DecodeImageDataUri(std::string_view uri, const std::string
 
 StatusOr<OpenAiRequest> ParseChatCompletion(std::string_view body,
                                             const RequestDefaults& defaults) {
+  LLAVA_RETURN_IF_ERROR(CheckJsonShape(body));
   json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return InvalidArgument("the request body is not valid JSON");
   if (!j.is_object()) return WrongType("the request body", "a JSON object", j);

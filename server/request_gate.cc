@@ -2,12 +2,59 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
+#include "engine/io/utf8.h"
+
 namespace llava::server {
+
+std::string LogSafe(std::string_view text, size_t max_bytes) {
+  static const char kHex[] = "0123456789abcdef";
+  const bool utf8 = IsValidUtf8(text);
+  std::string out;
+  out.reserve(std::min(text.size(), max_bytes) + 8);
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (out.size() >= max_bytes) {
+      out.resize(out.size() - Utf8IncompleteTail(out));  // no half character before the mark
+      out += "...";
+      break;
+    }
+    const auto c = static_cast<unsigned char>(text[i]);
+    const auto next = [&](size_t k) {
+      return i + k < text.size() ? static_cast<unsigned char>(text[i + k]) : 0;
+    };
+    // C1 controls (U+0080-U+009F: C2 80-9F) and the line/paragraph separators (E2 80 A8-A9).
+    const bool c1 = utf8 && c == 0xC2 && next(1) >= 0x80 && next(1) <= 0x9F;
+    const bool separator =
+        utf8 && c == 0xE2 && next(1) == 0x80 && (next(2) == 0xA8 || next(2) == 0xA9);
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c < 0x20 || c == 0x7F || (c >= 0x80 && !utf8) || c1 || separator) {
+      const size_t n = c1 ? 2 : separator ? 3 : 1;
+      for (size_t k = 0; k < n; ++k, ++i) {
+        const unsigned char b = static_cast<unsigned char>(text[i]);
+        out += "\\x";
+        out += kHex[b >> 4];
+        out += kHex[b & 15];
+      }
+      --i;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
 
 void LogRequest(const RequestLog& log, const StatusOr<GenerationResult>& result, double queue_s) {
   if (!result.ok()) {
-    spdlog::warn("request id={} api={} client={} status={}", log.id, log.api, log.client,
-                 result.status().ToString());
+    spdlog::warn("request id={} api={} client={} status={}", LogSafe(log.id), log.api,
+                 LogSafe(log.client), LogSafe(result.status().ToString()));
     return;
   }
   const GenerationResult& r = *result;
@@ -19,8 +66,8 @@ void LogRequest(const RequestLog& log, const StatusOr<GenerationResult>& result,
       "completion_tokens={} "
       "policy={} budget={:.2f} kv_bytes={} kv_full_bytes={} kv_saved={:.1f}% queue_s={:.3f} "
       "ttft_s={:.3f} total_s={:.3f}",
-      log.id, log.api, log.client, FinishReasonName(r.finish), r.prompt_tokens, r.image_tokens,
-      r.completion_tokens, CachePolicyName(log.policy), log.budget, r.kv.bytes_kept,
+      LogSafe(log.id), log.api, LogSafe(log.client), FinishReasonName(r.finish), r.prompt_tokens,
+      r.image_tokens, r.completion_tokens, CachePolicyName(log.policy), log.budget, r.kv.bytes_kept,
       r.kv.full_equivalent_bytes, 100 * saved, queue_s, r.ttft_seconds, r.total_seconds);
 }
 
@@ -59,7 +106,7 @@ std::optional<std::string> RequestGate::Authenticate(std::string_view authorizat
 }
 
 void RequestGate::Refused(const Status& status, const std::string& api) {
-  spdlog::warn("request rejected: api={} {}", api, status.ToString());
+  spdlog::warn("request rejected: api={} {}", api, LogSafe(status.ToString()));
   if (metrics_ != nullptr) metrics_->RecordRejected(status, api);
 }
 

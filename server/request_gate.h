@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "engine/serving/engine.h"
 #include "server/auth.h"
@@ -33,6 +34,12 @@ struct RequestLog {
   CachePolicy policy = CachePolicy::kFull;
   double budget = 1.0;
 };
+
+// `text` as it may go into a log line: a client's bytes cannot forge a line or drive a
+// terminal. Control characters (C0, DEL, C1, U+2028/9), backslashes and bytes that are not
+// UTF-8 are escaped (\n, \\, \xNN); more than `max_bytes` are cut, marked "...". Every
+// client-supplied string in the request log lines goes through it.
+std::string LogSafe(std::string_view text, size_t max_bytes = 1024);
 
 // The log line of a finished request (or of its error).
 void LogRequest(const RequestLog& log, const StatusOr<GenerationResult>& result, double queue_s);

@@ -35,6 +35,21 @@ Status CheckTlsFiles(const TlsFiles& f) {
 
 }  // namespace
 
+StatusOr<int64_t> CertificateSecondsLeft(const std::string& cert_file) {
+  X509* cert = nullptr;
+  if (BIO* in = BIO_new_file(cert_file.c_str(), "r")) {
+    cert = PEM_read_bio_X509(in, nullptr, nullptr, nullptr);
+    BIO_free(in);
+  }
+  ERR_clear_error();
+  if (cert == nullptr) return InvalidArgument("--tls-cert " + cert_file + ": no certificate");
+  int days = 0, seconds = 0;
+  const bool ok = ASN1_TIME_diff(&days, &seconds, nullptr, X509_get0_notAfter(cert)) == 1;
+  X509_free(cert);
+  if (!ok) return InvalidArgument("--tls-cert " + cert_file + ": unreadable expiry date");
+  return int64_t{days} * 86400 + seconds;
+}
+
 StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(const TlsFiles& f) {
   if (f.cert.empty() && f.key.empty()) {
     if (!f.client_ca.empty())

@@ -25,11 +25,14 @@ struct TlsFiles {
   unsigned reload_seconds = 60;
 };
 
+// Seconds until the first certificate in `cert_file` (PEM) expires; negative once it has.
+StatusOr<int64_t> CertificateSecondsLeft(const std::string& cert_file);
+
 // Insecure credentials when no file is given; an error naming the flag when the files are
 // incomplete or unreadable.
 StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(const TlsFiles& files);
 
-// The HTTP API's side (cpp-httplib's SSLServer, OpenSSL): Configure sets up the server's
+// The HTTP API's side (OpenSSL, under Asio's TLS stream): Configure sets up the server's
 // SSL_CTX with a certificate callback that serves the current pair, re-reading the files when
 // they changed, at most every reload_seconds; a pair that does not load or whose key does not
 // match the certificate is ignored and the previous one kept (gRPC's watcher does the same).
@@ -39,7 +42,7 @@ class HttpsContext {
   // Checks and loads the files now; errors name the flag.
   static StatusOr<std::unique_ptr<HttpsContext>> Create(const TlsFiles& files);
   ~HttpsContext();
-  // For httplib::SSLServer's constructor (SSL_CTX is OpenSSL's ssl_ctx_st).
+  // Sets up `ctx` (SSL_CTX is OpenSSL's ssl_ctx_st) for HttpServer.
   bool Configure(::ssl_ctx_st& ctx);
   // Re-reads the pair now (SIGHUP); false if it does not load, and then the previous one stays.
   bool Reload();

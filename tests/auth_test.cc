@@ -68,6 +68,18 @@ TEST(TokenStore, ReReadsTheFileWhenItChanges) {
   std::this_thread::sleep_for(20ms);
   Write(path, "too short\n");
   EXPECT_EQ((*store)->Authenticate("Bearer 2222222222222222222"), "second");
+  // An emptied file (a rotation that truncates, then writes) keeps them too, and the rewritten
+  // file is read once it changes again.
+  for (const char* text : {"", "# only a comment\n"}) {
+    std::this_thread::sleep_for(20ms);
+    Write(path, text);
+    EXPECT_EQ((*store)->Authenticate("Bearer 2222222222222222222"), "second") << text;
+    EXPECT_EQ((*store)->size(), 1u);
+  }
+  std::this_thread::sleep_for(20ms);
+  Write(path, "third 3333333333333333333\n");
+  EXPECT_EQ((*store)->Authenticate("Bearer 3333333333333333333"), "third");
+  EXPECT_FALSE((*store)->Authenticate("Bearer 2222222222222222222"));
   EXPECT_FALSE(TokenStore::Create(path + ".missing", "").ok());
 }
 

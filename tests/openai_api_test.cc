@@ -193,6 +193,33 @@ TEST(OpenAiApi, ErrorsNameTheField) {
   EXPECT_EQ(ParseChatCompletion("[1]", Defaults()).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Nesting and width are checked on the bytes before a DOM is built (30 MB of '[' cost 1.5 GB
+// as one): a deep or wide body is refused by name, brackets and commas inside strings count
+// for nothing.
+TEST(OpenAiApi, DeepOrWideJsonIsRefusedBeforeParsing) {
+  const std::string deep(1 << 20, '[');
+  auto r = ParseChatCompletion(deep, Defaults());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("nests deeper than 32"), std::string::npos)
+      << r.status().ToString();
+
+  std::string wide = R"({"messages":[{"role":"user","content":"Hi"}],"x":[0)";
+  for (int i = 0; i < 70000; ++i) wide += ",0";
+  wide += "]}";
+  r = ParseChatCompletion(wide, Defaults());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("more than 65536 JSON values"), std::string::npos)
+      << r.status().ToString();
+
+  // 31 levels of an unknown field, and a text full of brackets, commas and escaped quotes.
+  std::string nested = std::string(31, '[') + std::string(31, ']');
+  const std::string text = std::string(100, '[') + std::string(70000, ',') + "\\\"]]";
+  r = ParseChatCompletion(R"({"messages":[{"role":"user","content":")" + text +
+                              R"("}],"some_future_field":)" + nested + "}",
+                          Defaults());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+}
+
 TEST(OpenAiApi, UrlSafeBase64AndLineBreaksDecode) {
   // RFC 4648's test vectors for the encoder the tests and llava-load use.
   EXPECT_EQ(Base64("f"), "Zg==");

@@ -564,6 +564,15 @@ TEST(ServerTls, SighupReloadsTheHttpApiCertificate) {
   };
   const std::string listed = "\"object\":\"list\"";
   ASSERT_NE(models("ca1").find(listed), std::string::npos) << models("ca1");
+  // A certificate valid for 2 days: a warning at start, and its expiry in the metrics.
+  EXPECT_NE(server.Log().find("live.pem expires in 2.0 days"), std::string::npos) << server.Log();
+  const std::string metrics = server.HttpGet("/metrics");
+  const std::string series = "\nllava_tls_certificate_expiry_seconds ";
+  const size_t at = metrics.find(series);
+  ASSERT_NE(at, std::string::npos) << metrics;
+  const double left = std::stod(metrics.substr(at + series.size()));
+  EXPECT_GT(left, 2 * 86400 - 600);
+  EXPECT_LE(left, 2 * 86400);
   ::llava::testing::RunCommand("cd " + dir +
                                " && cp server2.key live.key.new && cp server2.pem live.pem.new && "
                                "mv live.key.new live.key && mv live.pem.new live.pem");

@@ -37,7 +37,7 @@ int AutoMaxBatch(int requested, bool gpu, CpuPath path, DType dtype, std::string
 
 // glibc malloc settings for a process that serves for days (docs/BENCHMARKS.md, "Soak" and
 // "Elastic prefill overhead"). glibc's defaults cost a server twice:
-// - one arena per thread (up to 8 per core): each of gRPC's and httplib's threads fragments
+// - one arena per thread (up to 8 per core): each of gRPC's and the HTTP workers' threads fragments
 //   its own, and a soak's RSS kept rising (+1.86%/h; +0.96%/h with two arenas);
 // - a sliding mmap threshold (128 KiB up to 32 MiB): a prefill's larger tensors get fresh
 //   mappings, and every run pays their page faults again (the default model's Full prefill
