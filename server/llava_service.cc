@@ -341,4 +341,49 @@ grpc::ServerUnaryReactor* LlavaServiceImpl::GetModelInfo(grpc::CallbackServerCon
   return reactor;
 }
 
+namespace {
+
+class TokenGuard final : public grpc::experimental::Interceptor {
+ public:
+  TokenGuard(grpc::experimental::ServerRpcInfo* info, RequestGate* gate)
+      : info_(info), gate_(gate) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
+      std::string authorization;
+      if (const auto* metadata = methods->GetRecvInitialMetadata()) {
+        const auto it = metadata->find("authorization");
+        if (it != metadata->end()) authorization.assign(it->second.data(), it->second.size());
+      }
+      if (!gate_->Authenticate(authorization, "grpc")) info_->server_context()->TryCancel();
+    }
+    methods->Proceed();
+  }
+
+ private:
+  grpc::experimental::ServerRpcInfo* const info_;
+  RequestGate* const gate_;
+};
+
+class ReflectionGuards final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit ReflectionGuards(RequestGate* gate) : gate_(gate) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    const std::string_view method = info->method() != nullptr ? info->method() : "";
+    if (method.rfind("/grpc.reflection.", 0) != 0) return nullptr;
+    return new TokenGuard(info, gate_);
+  }
+
+ private:
+  RequestGate* const gate_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> ReflectionNeedsToken(
+    RequestGate* gate) {
+  return std::make_unique<ReflectionGuards>(gate);
+}
+
 }  // namespace llava::server

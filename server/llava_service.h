@@ -3,7 +3,10 @@
 // generation state lives in the engine.
 #pragma once
 
+#include <grpcpp/support/server_interceptor.h>
+
 #include <atomic>
+#include <memory>
 #include <string>
 
 #include "engine/serving/engine.h"
@@ -71,5 +74,12 @@ class LlavaServiceImpl final : public RawLlavaService {
   RequestGate* gate_;
   ServiceConfig config_;
 };
+
+// With bearer tokens on, the gRPC server's reflection service (grpc.reflection.*) needs one too:
+// a call without a known token is cancelled as it opens, before the service reads a message
+// (the service is gRPC's own, so the check is an interceptor: the client sees CANCELLED; the
+// refusal is logged and counted as UNAUTHENTICATED like the others).
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> ReflectionNeedsToken(
+    RequestGate* gate);
 
 }  // namespace llava::server

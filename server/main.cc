@@ -368,6 +368,11 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   if (reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  if (reflection && tokens) {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> guards;
+    guards.push_back(llava::server::ReflectionNeedsToken(&gate));
+    builder.experimental().SetInterceptorCreators(std::move(guards));
+  }
   int bound_port = 0;
   auto credentials = llava::server::GrpcServerCredentials(tls);
   if (!credentials.ok()) {

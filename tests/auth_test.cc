@@ -2,6 +2,8 @@
 // engine; tests/server_e2e_test.cc runs llava-chat against a server that needs a token.
 #include "server/auth.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -98,6 +100,40 @@ class AnswerAtOnce : public EngineApi {
   EngineSnapshot Snapshot() const override { return {}; }
 };
 
+// One ServerReflectionInfo exchange (list_services) over a generic call: its status, and whether
+// an answer came.
+std::pair<grpc::Status, bool> ListServices(const std::shared_ptr<grpc::Channel>& channel,
+                                           const char* authorization) {
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  if (authorization != nullptr) ctx.AddMetadata("authorization", authorization);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto call =
+      stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  auto step = [&](auto&& start) {
+    start();
+    cq.Next(&tag, &ok);
+    return ok;
+  };
+  step([&] { call->StartCall(&ctx); });
+  const char list_services[] = {0x3a, 0x00};  // field 7 (list_services), an empty string
+  grpc::Slice slice(list_services, sizeof(list_services));
+  grpc::ByteBuffer request(&slice, 1);
+  step([&] { call->Write(request, &ctx); });
+  step([&] { call->WritesDone(&ctx); });
+  grpc::ByteBuffer reply;
+  const bool answered = step([&] { call->Read(&reply, &ctx); });
+  grpc::Status status;
+  step([&] { call->Finish(&status, &ctx); });
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return {status, answered};
+}
+
 TEST(GrpcAuth, EveryRpcButHealthNeedsAKnownToken) {
   auto store = TokenStore::Create("", "ci 0123456789abcdef0123");
   ASSERT_TRUE(store.ok());
@@ -106,7 +142,11 @@ TEST(GrpcAuth, EveryRpcButHealthNeedsAKnownToken) {
   RequestGate gate(&engine, &metrics, store->get());
   LlavaServiceImpl service(&gate, ServiceConfig());
   grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> guards;
+  guards.push_back(ReflectionNeedsToken(&gate));
+  builder.experimental().SetInterceptorCreators(std::move(guards));
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
@@ -147,8 +187,17 @@ TEST(GrpcAuth, EveryRpcButHealthNeedsAKnownToken) {
         health_stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &health);
     EXPECT_TRUE(s.ok()) << s.error_message();
   }
+  // Reflection answers with a token only (it describes every method of the service).
+  auto channel =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
+  const auto [refused_status, refused_answered] = ListServices(channel, nullptr);
+  EXPECT_FALSE(refused_answered) << "reflection answered without a token";
+  EXPECT_FALSE(refused_status.ok());
+  const auto [status, answered] = ListServices(channel, "Bearer 0123456789abcdef0123");
+  EXPECT_TRUE(answered);
+  EXPECT_TRUE(status.ok()) << status.error_message();
   const std::string text = metrics.Serialize();
-  EXPECT_NE(text.find("llava_request_status_total{api=\"grpc\",code=\"UNAUTHENTICATED\"} 4"),
+  EXPECT_NE(text.find("llava_request_status_total{api=\"grpc\",code=\"UNAUTHENTICATED\"} 5"),
             std::string::npos)
       << text;
   server->Shutdown(std::chrono::system_clock::now() + 2s);
