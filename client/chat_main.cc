@@ -69,7 +69,7 @@ bool FillRequest(const Options& o, ChatRequest* r) {
     std::string name = "CACHE_POLICY_" + o.policy;
     for (auto& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
     if (!llava::v1::CachePolicy_Parse(name, &p)) {
-      std::cerr << "error: --policy must be full, elastic, h2o or streaming_llm\n";
+      std::cerr << "error: --policy must be full, elastic, h2o, streaming_llm or snapkv\n";
       return false;
     }
     kv->set_policy(p);
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed);
   app.add_option("--stop", o.stop, "stop string (repeatable)");
   app.add_option("--repetition-penalty", o.repetition_penalty);
-  app.add_option("--policy", o.policy, "full | elastic | h2o | streaming_llm");
+  app.add_option("--policy", o.policy, "full | elastic | h2o | streaming_llm | snapkv");
   app.add_option("--budget", o.budget, "KV budget ratio in (0, 1]");
   app.add_option("--recent-distance", o.recent_distance);
   app.add_option("--sink-tokens", o.sink_tokens);

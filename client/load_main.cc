@@ -185,7 +185,8 @@ int main(int argc, char** argv) {
                  "permutation), so streams do not start and end in lockstep; 0 = all equal")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--temperature", temperature)->capture_default_str();
-  app.add_option("--policy", policy, "full | elastic | h2o | streaming_llm (default: server's)");
+  app.add_option("--policy", policy,
+                 "full | elastic | h2o | streaming_llm | snapkv (default: server's)");
   app.add_option("--budget", budget, "KV budget ratio (default: server's)");
   app.add_flag("--ignore-eos", ignore_eos,
                "generate exactly --max-tokens per request (equal work for every policy)");

@@ -172,6 +172,9 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
     case v1::CACHE_POLICY_STREAMING_LLM:
       cp.policy = CachePolicy::kStreamingLLM;
       break;
+    case v1::CACHE_POLICY_SNAPKV:
+      cp.policy = CachePolicy::kSnapKV;
+      break;
     default:
       return InvalidArgument("kv_cache.policy " + std::to_string(kv.policy()) + " is unknown");
   }
@@ -285,6 +288,8 @@ v1::CachePolicy ToProto(CachePolicy policy) {
       return v1::CACHE_POLICY_H2O;
     case CachePolicy::kStreamingLLM:
       return v1::CACHE_POLICY_STREAMING_LLM;
+    case CachePolicy::kSnapKV:
+      return v1::CACHE_POLICY_SNAPKV;
   }
   return v1::CACHE_POLICY_UNSPECIFIED;
 }

@@ -173,7 +173,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--default-policy", policy,
-                 "full | elastic | h2o | streaming_llm, with options as in llava-generate "
+                 "full | elastic | h2o | streaming_llm | snapkv, with options as in llava-generate "
                  "--policy (e.g. elastic+paper)")
       ->envname(env("DEFAULT_POLICY"))
       ->capture_default_str();

@@ -29,7 +29,7 @@ Histogram::BucketBoundaries CompressionBuckets() {
 }
 
 constexpr CachePolicy kPolicies[] = {CachePolicy::kFull, CachePolicy::kElastic, CachePolicy::kH2O,
-                                     CachePolicy::kStreamingLLM};
+                                     CachePolicy::kStreamingLLM, CachePolicy::kSnapKV};
 
 // The container's memory limit in bytes (cgroup v2, then v1), or 0 when there is none.
 double CgroupMemoryLimit() {

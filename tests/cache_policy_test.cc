@@ -7,6 +7,7 @@
 #include "engine/kv/elastic_policy.h"
 #include "engine/kv/h2o_policy.h"
 #include "engine/kv/kv_policy.h"
+#include "engine/kv/snapkv_policy.h"
 #include "engine/kv/streaming_policy.h"
 
 namespace llava {
@@ -405,18 +406,86 @@ TEST(ParseCacheSpec, PresetsAndOptions) {
   EXPECT_NE(ParseCacheSpec("elastic+recent=0").status().message().find("recent_distance"),
             std::string::npos);
   EXPECT_NE(ParseCacheSpec("lru").status().message().find("kv_cache.policy"), std::string::npos);
+  // SnapKV's presets and knobs.
+  auto snap = ParseCacheSpec("snapkv");
+  ASSERT_TRUE(snap.ok());
+  EXPECT_EQ(snap->snapkv.window, 32);
+  EXPECT_EQ(snap->snapkv.kernel, 7);
+  snap = ParseCacheSpec("snapkv+kvpress");
+  ASSERT_TRUE(snap.ok());
+  EXPECT_EQ(snap->snapkv.window, 64);
+  EXPECT_EQ(snap->snapkv.kernel, 5);
+  snap = ParseCacheSpec("snapkv+window=16+kernel=9");
+  ASSERT_TRUE(snap.ok());
+  EXPECT_EQ(snap->snapkv.window, 16);
+  EXPECT_EQ(snap->snapkv.kernel, 9);
+  EXPECT_NE(ParseCacheSpec("snapkv+kernel=4").status().message().find("kv_cache.snapkv.kernel"),
+            std::string::npos);
+  EXPECT_NE(ParseCacheSpec("snapkv+window=0").status().message().find("kv_cache.snapkv.window"),
+            std::string::npos);
+  EXPECT_NE(ParseCacheSpec("snapkv+product").status().message().find("preset 'product'"),
+            std::string::npos);
+}
+
+// SnapKV by hand. Votes of a prefix [0, 3, 0, 0, 6, 0] pooled over 3 neighbours (zero padding,
+// divided by 3): [1, 1, 1, 2, 2, 2]. With a window of 2 and a target of 4 of 8 entries, the
+// window (6, 7) stays and the two best pooled prefix entries join it: 3 and 4 (ties: earlier),
+// where the raw votes (kernel 1) pick the isolated 1 and the peak 4.
+TEST(SnapKv, PooledVotesKeepTheNeighboursOfWhatTheWindowReads) {
+  EXPECT_EQ(SnapKvPool({0, 3, 0, 0, 6, 0}, 3), (std::vector<float>{1, 1, 1, 2, 2, 2}));
+  EXPECT_EQ(SnapKvPool({0, 3, 0, 0, 6, 0}, 1), (std::vector<float>{0, 3, 0, 0, 6, 0}));
+  const std::vector<float> votes = {0, 3, 0, 0, 6, 0, 9, 9};  // the window's own votes: unused
+  EXPECT_EQ(SnapKvKeep(votes, 2, 3, 4), (std::vector<int64_t>{3, 4, 6, 7}));
+  EXPECT_EQ(SnapKvKeep(votes, 2, 1, 4), (std::vector<int64_t>{1, 4, 6, 7}));
+  EXPECT_EQ(SnapKvKeep(votes, 2, 3, 8).size(), 8u) << "a target of all keeps all";
+  EXPECT_EQ(SnapKvKeep(votes, 8, 3, 4).size(), 8u) << "the window is never cut";
+  // Decoding: the lowest score outside the 2 most recent entries (ties: the earlier).
+  EXPECT_EQ(SnapKvVictim({5, 1, 1, 9, 0, 0}, 2), 1);
+  EXPECT_EQ(SnapKvVictim({5, 1, 1, 9, 0, 0}, 5), 0);
+}
+
+// Through the policy object: with the prompt's layout known, only the window's rows vote
+// (the cache skips the others' column sums), the plan keeps what SnapKvKeep says, and decode
+// attention decides the victims from then on.
+TEST(SnapKv, OnlyTheWindowVotesAndTheBudgetCoversTheAnswer) {
+  CacheParams params;
+  params.policy = CachePolicy::kSnapKV;
+  params.budget = 0.5;
+  params.snapkv = SnapKvParams{2, 3};
+  PromptSegments segments;
+  segments.images = {{1, 5}};
+  segments.instruction = {5, 8};  // the prompt is 8 rows; the window is rows 6 and 7
+  auto policy = NewKvPolicy(params, segments, /*num_layers=*/1);
+  EXPECT_EQ(policy->ScoreSplitRow(), 6);
+  EXPECT_FALSE(policy->ScoresBeforeSplit());
+  EXPECT_EQ(policy->Target(8), 4);
+  EXPECT_EQ(policy->Target(3), 2) << "the window is protected";
+  const float window_sums[8] = {0, 3, 0, 0, 6, 0, 1, 1};
+  policy->AddScores(0, /*first_row=*/6, window_sums, 8);
+  const MergePlan plan = policy->PlanPrompt(0, 8);
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{3, 4, 6, 7}));
+  EXPECT_EQ(plan.dropped, 4);
+  // Kept scores (raw votes) 0, 6, 1, 1; one decode row attends [2, 0, 0, 0, 5] after an append.
+  policy->OnAppend(0, 1);
+  const float decode[5] = {2, 0, 0, 0, 5};
+  policy->AddScores(0, /*first_row=*/-1, decode, 5);
+  EXPECT_EQ(policy->Target(9), 5);
+  policy->OnAppend(0, 1);  // 6 entries, target 5 at n = 10
+  ASSERT_EQ(policy->Target(10), 5);
+  // Scores 2, 6, 1, 1, 5, 0: outside the 2 newest, entry 2 (score 1, the earlier of two) goes.
+  EXPECT_EQ(policy->Victim(0, 6, 5), 2);
 }
 
 TEST(KvPolicyRegistry, EveryPolicyHasOneRowFoundByName) {
-  for (CachePolicy id :
-       {CachePolicy::kFull, CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM}) {
+  for (CachePolicy id : {CachePolicy::kFull, CachePolicy::kElastic, CachePolicy::kH2O,
+                         CachePolicy::kStreamingLLM, CachePolicy::kSnapKV}) {
     const KvPolicyInfo& info = KvPolicyInfoOf(id);
     EXPECT_EQ(info.id, id);
     auto parsed = ParseCachePolicy(info.name);
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, id);
   }
-  EXPECT_EQ(KvPolicyNames(), "full | elastic | h2o | streaming_llm");
+  EXPECT_EQ(KvPolicyNames(), "full | elastic | h2o | streaming_llm | snapkv");
 }
 
 }  // namespace

@@ -114,6 +114,9 @@ TEST_F(EngineTest, ChunkedPrefillMatchesRunningAlone) {
   reqs[1].kv_cache.budget = 0.5;
   reqs[2].kv_cache.policy = CachePolicy::kStreamingLLM;
   reqs[2].kv_cache.budget = 0.5;
+  reqs[3].kv_cache.policy = CachePolicy::kSnapKV;  // its window (4 rows) within one chunk or two
+  reqs[3].kv_cache.budget = 0.5;
+  reqs[3].kv_cache.snapkv = SnapKvParams{4, 3};
   EngineOptions options;
   options.prefill_chunk = 7;
   Engine engine(*loaded_, options);

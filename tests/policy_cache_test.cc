@@ -208,7 +208,8 @@ TEST_F(PolicyCacheTest, BudgetOneEqualsFullForEveryPolicy) {
   at::Tensor prompt = Ids(30, 1), steps = Ids(12, 2);
   auto full = NewFullKvCache(model_->kv_layout());
   at::Tensor ref = Run(full.get(), prompt, steps);
-  for (CachePolicy p : {CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM}) {
+  for (CachePolicy p : {CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM,
+                        CachePolicy::kSnapKV}) {
     auto cache = NewPolicyKvCache(pool_, Params(p, 1.0));
     at::Tensor got = Run(cache.get(), prompt, steps);
     EXPECT_TRUE(at::equal(got, ref)) << CachePolicyName(p);
@@ -259,13 +260,14 @@ TEST_F(PolicyCacheTest, ChunkedPrefillMatchesOnePass) {
   PromptSegments segments;
   segments.images = {{3, 29}};
   segments.instruction = {29, 37};
-  for (int k = 0; k < 4; ++k) {
-    const CachePolicy p = k == 3
-                              ? CachePolicy::kElastic
-                              : std::array<CachePolicy, 3>{CachePolicy::kElastic, CachePolicy::kH2O,
-                                                           CachePolicy::kStreamingLLM}[k];
+  // SnapKV's window (the last 5 rows, from 32) also falls inside the 20-row chunk.
+  for (int k = 0; k < 5; ++k) {
+    const CachePolicy p = std::array<CachePolicy, 5>{
+        CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM, CachePolicy::kElastic,
+        CachePolicy::kSnapKV}[k];
     CacheParams params = Params(p, 0.3, /*recent=*/4);
     if (k == 3) params.elastic = ElasticPreset(ElasticVariant::kProduct);
+    params.snapkv = SnapKvParams{5, 3};
     auto whole = NewKvCache(pool_, params, segments);
     std::vector<at::Tensor> ref = {Feed({{model_->Embed(prompt), 0, whole.get(), false}})};
 
@@ -306,12 +308,16 @@ TEST_F(PolicyCacheTest, ChunkedPrefillMatchesOnePass) {
 TEST_F(PolicyCacheTest, LengthAndBytesFollowTheBudgetEveryStep) {
   std::mt19937 rng(3);
   for (int trial = 0; trial < 12; ++trial) {
-    const CachePolicy policy = trial % 3 == 0   ? CachePolicy::kElastic
-                               : trial % 3 == 1 ? CachePolicy::kH2O
-                                                : CachePolicy::kStreamingLLM;
+    const CachePolicy policy =
+        std::array<CachePolicy, 4>{CachePolicy::kElastic, CachePolicy::kH2O,
+                                   CachePolicy::kStreamingLLM, CachePolicy::kSnapKV}[trial % 4];
     const double gamma = 0.1 + 0.8 * (rng() % 100) / 100.0;
     const int64_t t = 8 + rng() % 40, steps = 1 + rng() % 20;
-    const CacheParams params = Params(policy, gamma, 1 + rng() % 10, rng() % 3);
+    CacheParams params = Params(policy, gamma, 1 + rng() % 10, rng() % 3);
+    if (policy == CachePolicy::kSnapKV) {
+      params.sink_tokens = -1;  // SnapKV keeps no sinks
+      params.snapkv.window = 1 + static_cast<int>(rng() % 8);
+    }
     auto cache = NewKvCache(pool_, params);
     Run(cache.get(), Ids(t, trial), Ids(steps, 100 + trial), [&](int64_t n) {
       const KvStats s = cache->Stats();
@@ -478,11 +484,9 @@ TEST_F(PolicyCacheTest, SequencesShareThePoolWithoutLeaksOrCorruption) {
     const char* spec;
     int64_t prompt, steps, start;
   };
-  const std::vector<Seq> seqs = {{"full", 40, 12, 0},
-                                 {"elastic", 45, 30, 1},
-                                 {"elastic+paper", 33, 25, 3},
-                                 {"h2o", 60, 18, 14},
-                                 {"streaming_llm", 27, 20, 16}};
+  const std::vector<Seq> seqs = {
+      {"full", 40, 12, 0}, {"elastic", 45, 30, 1},        {"elastic+paper", 33, 25, 3},
+      {"h2o", 60, 18, 14}, {"streaming_llm", 27, 20, 16}, {"snapkv+window=6+kernel=3", 38, 22, 5}};
   std::vector<CacheParams> params;
   std::vector<at::Tensor> prompts, answers, alone;
   for (size_t i = 0; i < seqs.size(); ++i) {

@@ -152,6 +152,16 @@ StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& b
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string& opt = parts[i];
     const size_t eq = opt.find('=');
+    if (eq == std::string::npos && p.policy == CachePolicy::kSnapKV) {
+      if (opt == "paper") {
+        p.snapkv = SnapKvParams();
+      } else if (opt == "kvpress") {
+        p.snapkv = SnapKvParams{64, 5};
+      } else {
+        return InvalidArgument("kv_cache.snapkv preset '" + opt + "' is unknown (paper, kvpress)");
+      }
+      continue;
+    }
     if (eq == std::string::npos) {
       LLAVA_ASSIGN_OR_RETURN(p.elastic_variant, ParseElasticVariant(opt));
       e = ElasticPreset(p.elastic_variant);
@@ -182,6 +192,10 @@ StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& b
       LLAVA_ASSIGN_OR_RETURN(e.merge, flag(key, v));
     } else if (key == "recent") {
       LLAVA_ASSIGN_OR_RETURN(e.recent_distance, number(key, v));
+    } else if (key == "window") {
+      LLAVA_ASSIGN_OR_RETURN(p.snapkv.window, number(key, v));
+    } else if (key == "kernel") {
+      LLAVA_ASSIGN_OR_RETURN(p.snapkv.kernel, number(key, v));
     } else if (key == "sinks") {
       LLAVA_ASSIGN_OR_RETURN(p.sink_tokens, number(key, v));
     } else if (key == "position") {

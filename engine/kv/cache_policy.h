@@ -16,7 +16,7 @@
 
 namespace llava {
 
-enum class CachePolicy { kFull, kElastic, kH2O, kStreamingLLM };
+enum class CachePolicy { kFull, kElastic, kH2O, kStreamingLLM, kSnapKV };
 enum class PositionMode {
   kOriginal,    // a new token's rotary position is its true index n (default)
   kCompressed,  // ... is the compressed cache length (the Elastic Cache reference code)
@@ -68,6 +68,14 @@ struct ElasticParams {
   bool merge = true;
 };
 
+// SnapKV's knobs (snapkv_policy.h): the observation window (the prompt's last queries, which
+// vote) and the pooling kernel. Defaults: the paper's (32, 7); `snapkv+kvpress` is NVIDIA
+// kvpress's SnapKVPress (64, 5).
+struct SnapKvParams {
+  int window = 32;
+  int kernel = 7;
+};
+
 // "paper": the method exactly as published (DESIGN.md 4.2), the reference.
 // "product": the service's default, measured in docs/POLICIES.md ("Elastic that keeps the
 // question"). The plain name `elastic` means "product".
@@ -82,6 +90,7 @@ struct CacheParams {
   PositionMode position_mode = PositionMode::kOriginal;
   ElasticVariant elastic_variant = ElasticVariant::kProduct;  // the preset `elastic` started from
   ElasticParams elastic = ElasticPreset(ElasticVariant::kProduct);  // Elastic only
+  SnapKvParams snapkv;                                              // SnapKV only
 
   int sinks() const;
   // True when the cache keeps every entry: Full, or any policy at budget 1.
@@ -121,7 +130,8 @@ StatusOr<ElasticVariant> ParseElasticVariant(std::string_view name);
 // option is a preset (`paper`, `product`) or key=value: protect_instruction=0|1,
 // protect_system=0|1, importance=sum|mean|instruction, merge_scope=nearest|segment,
 // weighted=0|1, evict=fixed_point|scored, merge=0|1, recent=N, sinks=N,
-// position=original|compressed. Options apply in order on top of `base` (whose budget is kept),
+// position=original|compressed; for snapkv the presets `paper` and `kvpress`, window=N and
+// kernel=N. Options apply in order on top of `base` (whose budget is kept),
 // e.g. "elastic+paper+importance=mean". `elastic_drop` and `elastic_mean` are the older ablation
 // names (paper + merge=0, paper + importance=mean).
 StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& base = {});

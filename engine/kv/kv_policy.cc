@@ -4,6 +4,7 @@
 
 #include "engine/kv/elastic_policy.h"
 #include "engine/kv/h2o_policy.h"
+#include "engine/kv/snapkv_policy.h"
 #include "engine/kv/streaming_policy.h"
 
 namespace llava {
@@ -70,6 +71,13 @@ const std::vector<KvPolicyInfo>& KvPolicyRegistry() {
        "attention sinks + recent window",
        NoExtraChecks,
        NewStreamingPolicy},
+      {CachePolicy::kSnapKV,
+       "snapkv",
+       {nullptr, nullptr},
+       0,
+       "SnapKV: the question's last queries vote, pooled over neighbours, for the entries kept",
+       ValidateSnapKvParams,
+       NewSnapKvPolicy},
   };
   return kRegistry;
 }

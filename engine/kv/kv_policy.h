@@ -79,7 +79,7 @@ struct KvPolicyInfo {
 };
 const std::vector<KvPolicyInfo>& KvPolicyRegistry();
 const KvPolicyInfo& KvPolicyInfoOf(CachePolicy id);
-// "full | elastic | h2o | streaming_llm": for --help texts.
+// "full | elastic | h2o | streaming_llm | snapkv": for --help texts.
 std::string KvPolicyNames();
 
 // The policy object for a request (params validated by the caller). `segments` may be empty.
