@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "engine/kernels/activation_memory.h"
 #include "engine/kernels/cpu_features.h"
 #include "engine/kernels/cpu_gemv.h"
 #include "engine/kernels/decode_attention.h"
@@ -31,6 +32,12 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+llava::CacheParams FullCache() {
+  llava::CacheParams p;
+  p.policy = llava::CachePolicy::kFull;
+  return p;
+}
 
 double Seconds(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -138,7 +145,7 @@ void PolicySuite(const llava::LlavaModel& model, int prompt, int context, int st
     s.instruction = {t - instruction, t};
     return s;
   };
-  llava::CacheParams full{llava::CachePolicy::kFull};
+  llava::CacheParams full = FullCache();
   std::vector<std::pair<std::string, llava::CacheParams>> variants;
   for (const char* spec : {"elastic", "elastic+paper"}) {
     llava::CacheParams base;
@@ -262,7 +269,7 @@ PaperRun RunPaperBatch(const llava::LlavaModel& model, const llava::CacheParams&
 
 void PaperSuite(const llava::LlavaModel& model, int prompt, int answer, int batch, double gamma,
                 double kv_budget, bool equal_memory, int max_batch) {
-  llava::CacheParams full{llava::CachePolicy::kFull};
+  llava::CacheParams full = FullCache();
   llava::CacheParams base;
   base.budget = gamma;
   const llava::CacheParams elastic = *llava::ParseCacheSpec("elastic", base);
@@ -534,12 +541,15 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch", max_batch, "paper: cap on that batch")->capture_default_str();
   std::string malloc_mode = "server";
   app.add_option("--malloc", malloc_mode,
-                 "server (llava-server's malloc settings, runtime.h) | glibc (glibc's defaults)")
+                 "server (llava-server's malloc settings, oneDNN cache and activation allocator: "
+                 "runtime.h, activation_memory.h) | glibc (glibc's defaults)")
       ->check(CLI::IsMember({"server", "glibc"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   const std::string malloc_said = malloc_mode == "server"
-                                      ? llava::ConfigureMalloc(llava::MallocSettings{})
+                                      ? llava::ConfigureMalloc(llava::MallocSettings{}) + "; " +
+                                            llava::LimitOneDnnCache() +
+                                            "; activation allocator after the weights"
                                       : "malloc: glibc's defaults";
   threads = llava::InitTorchThreads(threads);
   at::manual_seed(0);
@@ -600,6 +610,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const llava::LlavaModel& model = **model_or;
+  if (malloc_mode == "server") llava::InstallActivationAllocator();  // as llava-server does
   const llava::LlavaConfig& config = model.config();
   layers = config.text.num_hidden_layers;
   const int64_t vocab = config.text.vocab_size;
@@ -625,7 +636,7 @@ int main(int argc, char** argv) {
   // with the warm-up and three timed prefills, 90-93 with two timed prefills and none).
   std::vector<double> prefill;
   const auto prefill_pool = PoolFor(model, 1, prompt);
-  const llava::CacheParams full{llava::CachePolicy::kFull};
+  const llava::CacheParams full = FullCache();
   for (int r = -1; r < std::max(3, reps / 2); ++r) {
     auto cache = llava::NewKvCache(prefill_pool.get(), full);
     at::Tensor emb = model.Embed(at::randint(3, vocab, {prompt}, at::kLong));

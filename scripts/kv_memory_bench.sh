@@ -10,7 +10,10 @@
 #   kv_used_max_mb  the most pool pages in use at once (= the pool pages ever touched)
 #   workspace_mb  anon_peak_above_idle - kv_used_max: activations, prompt transients, freed heap
 #   kv_full_max_mb  what Full would have held at that moment; running_max; preemptions (the
-#   counter's last value); then llava-load's summary (tokens/s, TTFT, ...)
+#   counter's last value)
+#   act_peak_live_mb  the most bytes of CPU tensors live at once (llava_activation_peak_bytes)
+#   act_mapped_max_mb  the most the activation allocator had mapped (llava_activation_bytes)
+#   then llava-load's summary (tokens/s, TTFT, ...)
 # usage: kv_memory_bench.sh NAME "server flags" "load flags"
 # e.g. MODEL=/tmp/bench-model scripts/kv_memory_bench.sh full \
 #   "--default-policy full --max-batch 32 --kv-cache-bytes 421003264" \
@@ -35,7 +38,7 @@ samples=/tmp/kvmem-$name.samples
 : > "$samples"
 ( while kill -0 $spid 2>/dev/null; do
     m=$(curl -s 127.0.0.1:$mport/metrics)
-    echo "$(rss) $(echo "$m" | awk '/^llava_kv_cache_used_bytes /{u=$2} /^llava_kv_cache_full_equivalent_bytes /{f=$2} /^llava_num_requests_running /{r=$2} /^llava_preemptions_total /{p=$2} END{print u+0, f+0, r+0, p+0}')" >> "$samples"
+    echo "$(rss) $(echo "$m" | awk '/^llava_kv_cache_used_bytes /{u=$2} /^llava_kv_cache_full_equivalent_bytes /{f=$2} /^llava_num_requests_running /{r=$2} /^llava_preemptions_total /{p=$2} /^llava_activation_peak_bytes /{ap=$2} /^llava_activation_bytes /{am=$2} END{print u+0, f+0, r+0, p+0, ap+0, am+0}')" >> "$samples"
     sleep 0.3
   done ) &
 sampler=$!
@@ -48,8 +51,8 @@ awk -v name="$name" -v idle="$idle" -v last="$last" -v load="$out" '
   BEGIN { split(idle, i, " "); split(last, l, " ") }
   { if ($1 > peak) peak = $1; if ($2 > anon) anon = $2
     if ($4 > used) used = $4; if ($5 > full) full = $5; if ($6 > run) run = $6
-    if ($7 > pre) pre = $7 }
+    if ($7 > pre) pre = $7; if ($8 > ap) ap = $8; if ($9 > am) am = $9 }
   END {
-    printf "%s idle_rss_mb=%.0f peak_above_idle_mb=%.0f weights_paged_in_mb=%.0f anon_peak_above_idle_mb=%.0f kv_used_max_mb=%.0f workspace_mb=%.0f kv_full_max_mb=%.0f running_max=%d preemptions=%d | %s\n",
+    printf "%s idle_rss_mb=%.0f peak_above_idle_mb=%.0f weights_paged_in_mb=%.0f anon_peak_above_idle_mb=%.0f kv_used_max_mb=%.0f workspace_mb=%.0f kv_full_max_mb=%.0f running_max=%d preemptions=%d act_peak_live_mb=%.0f act_mapped_max_mb=%.0f | %s\n",
       name, i[1] / 1024, (peak - i[1]) / 1024, (l[3] - i[3]) / 1024, (anon - i[2]) / 1024,
-      used / 1048576, (anon - i[2]) / 1024 - used / 1048576, full / 1048576, run, pre, load }' "$samples"
+      used / 1048576, (anon - i[2]) / 1024 - used / 1048576, full / 1048576, run, pre, ap / 1048576, am / 1048576, load }' "$samples"

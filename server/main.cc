@@ -15,6 +15,7 @@
 #include <limits>
 #include <thread>
 
+#include "engine/kernels/activation_memory.h"
 #include "engine/kernels/cpu_features.h"
 #include "engine/kernels/runtime.h"
 #include "engine/model/model_options.h"
@@ -229,13 +230,20 @@ int main(int argc, char** argv) {
       ->envname(env("MALLOC_MMAP_THRESHOLD_MIB"))
       ->check(CLI::Range(0, 2047))
       ->capture_default_str();
+  bool activation_allocator = true;
+  app.add_option("--activation-allocator", activation_allocator,
+                 "The forward pass's large CPU tensors in blocks kept between passes, bounded by "
+                 "the recent peak (false: glibc's heap)")
+      ->envname(env("ACTIVATION_ALLOCATOR"))
+      ->capture_default_str();
   app.add_option("--shutdown-grace-seconds", grace_s)
       ->envname(env("SHUTDOWN_GRACE_SECONDS"))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   // Before any thread starts: arenas are taken per thread at its first allocation.
   malloc_settings.mmap_threshold_bytes = mmap_threshold_mib << 20;
-  const std::string malloc_said = llava::ConfigureMalloc(malloc_settings);
+  const std::string malloc_said =
+      llava::ConfigureMalloc(malloc_settings) + "; " + llava::LimitOneDnnCache();
   std::string threads_why;
   threads = llava::InitTorchThreads(llava::ResolveModelThreads(threads, model_dir, &threads_why));
 
@@ -286,6 +294,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   llava::Engine& engine = *engine_holder;
+  // After the weights and the pool: from here on the CPU tensors are the requests'
+  // (activation_memory.h; llava_activation_bytes).
+  if (activation_allocator) llava::InstallActivationAllocator();
   if (warmup) {
     // Before the gate exists, under an id its requests never reach (they count from 1).
     double ttft = 0;

@@ -69,6 +69,12 @@ ServingMetrics::ServingMetrics() : registry_(std::make_shared<prometheus::Regist
                              "KV bytes handed out by admission: the pool pages in use (nothing is "
                              "reserved ahead).");
   kv_budget_bytes_ = gauge("llava_kv_cache_budget_bytes", "The KV byte budget for admission.");
+  activation_bytes_ = gauge("llava_activation_bytes",
+                            "Memory mapped for the forward pass's large CPU tensors: in use and "
+                            "kept for the next pass (0 with --activation-allocator=false).");
+  activation_peak_bytes_ = gauge("llava_activation_peak_bytes",
+                                 "The most bytes of CPU tensors live at once since start: the "
+                                 "activation workspace of the largest step.");
   batch_size_ = gauge("llava_batch_size", "Sequences in the last decode step.");
   max_batch_ = gauge("llava_max_batch",
                      "The most sequences one decode step runs (--max-batch, auto resolved).");
@@ -222,6 +228,8 @@ void ServingMetrics::UpdateFromEngine(const EngineSnapshot& s) {
   kv_reserved_bytes_->Set(static_cast<double>(s.kv_bytes_reserved));
   kv_budget_bytes_->Set(static_cast<double>(s.kv_budget_bytes));
   kv_pool_bytes_->Set(static_cast<double>(s.kv_pool_bytes));
+  activation_bytes_->Set(static_cast<double>(s.activation_mapped_bytes));
+  activation_peak_bytes_->Set(static_cast<double>(s.activation_peak_bytes));
   {
     std::lock_guard<std::mutex> lock(preemptions_mu_);  // the snapshot's count only grows
     if (s.preemptions > preemptions_seen_) {

@@ -64,6 +64,8 @@ class ServingMetrics {
   prometheus::Gauge* kv_reserved_bytes_;
   prometheus::Gauge* kv_budget_bytes_;
   prometheus::Gauge* kv_pool_bytes_;
+  prometheus::Gauge* activation_bytes_;
+  prometheus::Gauge* activation_peak_bytes_;
   prometheus::Counter* preemptions_;
   std::mutex preemptions_mu_;
   int64_t preemptions_seen_ = 0;  // guarded by preemptions_mu_

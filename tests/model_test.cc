@@ -87,6 +87,15 @@ TEST(FusedCpuOps, Bf16NormsAndRotaryMatchTheFp32Ops) {
   ASSERT_EQ(rot.scalar_type(), at::kBFloat16);
   EXPECT_LT((rot.to(at::kFloat) - ref).abs().max().item<double>(),
             ref.abs().max().item<double>() / 128);
+  // Rotated over its rows of the fused tensor (the decoder's q and k): the same values, and
+  // the rows around them untouched.
+  const at::Tensor before = qkv.to(at::kBFloat16);
+  at::Tensor fused = before.clone();
+  const at::Tensor over =
+      ApplyRotary(fused.narrow(1, heads * hd, heads * hd).view({n, heads, hd}), table, true);
+  EXPECT_TRUE(over.is_alias_of(fused));
+  EXPECT_TRUE(at::equal(over, rot));
+  EXPECT_TRUE(at::equal(fused.narrow(1, 0, heads * hd), before.narrow(1, 0, heads * hd)));
 }
 
 TEST(Attention, MatchesNaiveLoopsWithCachedPrefixAndGroupedHeads) {

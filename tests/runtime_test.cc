@@ -1,6 +1,7 @@
 // Process-level settings (engine/kernels/runtime.h).
 #include "engine/kernels/runtime.h"
 
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
 
@@ -11,9 +12,12 @@
 #include <vector>
 
 #include "engine/kernels/cpu_features.h"
+#include "tests/test_util.h"
 
 namespace llava {
 namespace {
+
+using testing::RssAnonBytes;
 
 TEST(ConfigureMalloc, BlocksUnderTheFixedThresholdComeFromTheHeap) {
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_")) {
@@ -33,16 +37,6 @@ TEST(ConfigureMalloc, BlocksUnderTheFixedThresholdComeFromTheHeap) {
   const size_t mapped_during = mallinfo2().hblkhd;
   std::free(block);
   EXPECT_EQ(mapped_during, mapped_before);
-}
-
-// Resident anonymous memory of this process, from /proc/self/status.
-int64_t RssAnonBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("RssAnon:", 0) == 0) return std::stoll(line.substr(8)) * 1024;
-  }
-  return -1;
 }
 
 // Freed blocks between live ones stay resident on the heap (the top cannot be trimmed past a
@@ -111,6 +105,30 @@ TEST(AutoMaxBatch, WideWhereProductsGainFromRowsNarrowWhereTheyDoNot) {
   // A cap asked for wins.
   EXPECT_EQ(AutoMaxBatch(3, true, CpuPath::kAvx512Bf16, DType::kBF16, &why), 3);
   EXPECT_NE(why.find("forced"), std::string::npos) << why;
+}
+
+// oneDNN's primitive cache is capped (where libtorch loads oneDNN and the environment says
+// nothing): read back through oneDNN's own getter.
+TEST(LimitOneDnnCache, CapsThePrimitiveCache) {
+  if (std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY") ||
+      std::getenv("DNNL_PRIMITIVE_CACHE_CAPACITY")) {
+    GTEST_SKIP() << "the environment sets the capacity";
+  }
+  using GetCapacity = int (*)(int*);
+  auto get =
+      reinterpret_cast<GetCapacity>(dlsym(RTLD_DEFAULT, "dnnl_get_primitive_cache_capacity"));
+  const std::string said = LimitOneDnnCache(48);
+  if (get == nullptr) {
+    EXPECT_EQ(said, "no oneDNN");
+    GTEST_SKIP() << "libtorch without oneDNN";
+  }
+  int capacity = -1;
+  ASSERT_EQ(get(&capacity), 0);
+  EXPECT_EQ(capacity, 48);
+  EXPECT_NE(said.find("48 primitives"), std::string::npos) << said;
+  LimitOneDnnCache();
+  ASSERT_EQ(get(&capacity), 0);
+  EXPECT_EQ(capacity, kOneDnnCacheCapacity);
 }
 
 }  // namespace

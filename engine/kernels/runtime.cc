@@ -98,6 +98,21 @@ std::string ConfigureMalloc(const MallocSettings& settings) {
 #endif
 }
 
+std::string LimitOneDnnCache(int capacity) {
+  for (const char* name : {"ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"}) {
+    if (const char* v = std::getenv(name)) {
+      return std::string("oneDNN primitive cache from ") + name + "=" + v;
+    }
+  }
+  // Looked up by name, as openblas_set_num_threads above: libtorch loads oneDNN where it has it.
+  using SetCapacity = int (*)(int);
+  auto set =
+      reinterpret_cast<SetCapacity>(dlsym(RTLD_DEFAULT, "dnnl_set_primitive_cache_capacity"));
+  if (set == nullptr) return "no oneDNN";
+  if (set(capacity) != 0) return "oneDNN primitive cache: left as it is (refused)";
+  return "oneDNN primitive cache " + std::to_string(capacity) + " primitives";
+}
+
 int64_t TrimFreeHeap(int64_t keep_bytes) {
 #if defined(__GLIBC__)
   const struct mallinfo2 info = mallinfo2();

@@ -51,6 +51,15 @@ struct MallocSettings {
 // is in effect. Without glibc: does nothing and says so.
 std::string ConfigureMalloc(const MallocSettings& settings);
 
+// oneDNN (ATen's bf16 products on AVX512-BF16) keeps every primitive it has made, up to 1,024
+// by default, and a serving load makes new ones for each shape it has not seen (each prompt's
+// length, each batch's rows): heaptrack found its cache the largest growth of the heap while
+// serving, ~19 MB over 32 requests of the bench checkpoint (docs/BENCHMARKS.md, "The paged KV
+// pool"). Caps it at `capacity` primitives unless ONEDNN_PRIMITIVE_CACHE_CAPACITY or
+// DNNL_PRIMITIVE_CACHE_CAPACITY is set. Returns a line for the log; without oneDNN, says so.
+inline constexpr int kOneDnnCacheCapacity = 64;
+std::string LimitOneDnnCache(int capacity = kOneDnnCacheCapacity);
+
 // Bounds the free memory the allocator keeps between forward passes: when glibc's arenas hold
 // more than `keep_bytes` free (mallinfo2), gives the free pages back (malloc_trim) and returns
 // the free bytes it held; else returns 0 and does nothing. The high fixed mmap threshold above

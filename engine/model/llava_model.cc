@@ -25,7 +25,13 @@
 namespace llava {
 namespace {
 
-constexpr int64_t kQueryBlock = 256;  // prefill attention processes queries in blocks of this
+// The prefill attention processes queries in blocks of at most kQueryBlock rows, fewer where a
+// block's fp32 probabilities [H, rows, len] would pass kQueryBlockBytes (a 256-row block of a
+// 7B-wide 291-token prompt was 9.5 MB of probabilities plus 4.8 of bf16 scores: the largest
+// part of a pass's live tensors), but at least kMinQueryBlock.
+constexpr int64_t kQueryBlock = 256;
+constexpr int64_t kMinQueryBlock = 16;
+constexpr int64_t kQueryBlockBytes = int64_t{4} << 20;
 
 // A bf16 CPU tensor outside autograd: eligible for the fused loops below (the trainer's
 // forward keeps the ATen ops, whose backward it needs).
@@ -55,12 +61,28 @@ at::Tensor Silu(const at::Tensor& x) {
 }
 
 // silu(gate) * up of a fused gate/up projection's output [N, 2F]; one pass forward and one
-// backward in the trainer (autograd_ops.h).
-at::Tensor SwiGlu(const at::Tensor& gate_up, int64_t f) {
+// backward in the trainer (autograd_ops.h). Serving, the gate half is overwritten with its
+// silu (in blocks of rows where it is computed in fp32): the same values as a separate silu
+// tensor, one [N, F] tensor fewer at the pass's peak (5.4 MB at 256 rows, 7B widths).
+at::Tensor SwiGlu(at::Tensor gate_up, int64_t f) {
   if (IsTrainingCpu(gate_up, at::kBFloat16) && gate_up.dim() == 2) {
     return TrainSwiGlu(gate_up);
   }
-  return Silu(gate_up.narrow(1, 0, f)) * gate_up.narrow(1, f, f);
+  at::Tensor gate = gate_up.narrow(-1, 0, f);
+  const at::Tensor up = gate_up.narrow(-1, f, f);
+  if (gate_up.requires_grad()) return Silu(gate) * up;
+  if (FastBf16Matmul(gate)) {
+    at::silu_(gate);
+  } else {
+    constexpr int64_t kRows = 64;
+    const at::Tensor rows = gate.reshape({-1, f});  // a view: gate_up is [.., 2F]
+    TORCH_INTERNAL_ASSERT(rows.is_alias_of(gate));
+    for (int64_t r0 = 0; r0 < rows.size(0); r0 += kRows) {
+      at::Tensor g = rows.narrow(0, r0, std::min(kRows, rows.size(0) - r0));
+      g.copy_(Silu(g));
+    }
+  }
+  return gate * up;
 }
 
 at::Tensor RotateHalf(const at::Tensor& x) {
@@ -137,24 +159,6 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
   return at::linear(x, weight, bias);
 }
 
-namespace {
-
-// A buffer of the calling thread kept between calls (PanelLinear's widened panels and outputs):
-// a fresh tensor for each of them was ~1 GB of new pages per layer of a 7B prefill, each page
-// faulted in and zeroed by the kernel (in-process A/B of the AVX2 prefill: +2.6% and +5.5%;
-// docs/BENCHMARKS.md). `slot` tells a thread's buffers apart.
-float* ThreadBuffer(int slot, int64_t floats) {
-  thread_local std::unique_ptr<float[]> buffers[2];
-  thread_local int64_t sizes[2] = {0, 0};
-  if (sizes[slot] < floats) {
-    buffers[slot].reset(new float[static_cast<size_t>(floats)]);
-    sizes[slot] = floats;
-  }
-  return buffers[slot].get();
-}
-
-}  // namespace
-
 at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t rows = x.size(0), n = weight.size(0), k = weight.size(1);
   const bool f32 = x.scalar_type() == at::kFloat;
@@ -173,16 +177,22 @@ at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::
       std::max<int64_t>(threads, (n * chunk + kLinearPanelFloats - 1) / kLinearPanelFloats);
   panels = (panels + threads - 1) / threads * threads;
   const int64_t panel = (n + panels - 1) / panels;
+  // Each thread's widened panel and fp32 outputs are tensors of this call: freed when it
+  // returns, their memory is the next product's (the activation allocator, or glibc's heap
+  // under its fixed threshold, hands the same pages back without faults; runtime.h).
   at::parallel_for(0, (n + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
+    at::Tensor outs, widened;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * panel, width = std::min(panel, n - n0);
-      at::Tensor out = f32 ? y.narrow(1, n0, width)
-                           : at::from_blob(ThreadBuffer(0, rows * width), {rows, width});
+      if (!f32 && !outs.defined()) outs = at::empty({rows * panel}, at::kFloat);
+      at::Tensor out =
+          f32 ? y.narrow(1, n0, width) : outs.narrow(0, 0, rows * width).view({rows, width});
       for (int64_t k0 = 0; k0 < k; k0 += chunk) {
         const int64_t cols = std::min(chunk, k - k0);
         at::Tensor w = weight.narrow(0, n0, width).narrow(1, k0, cols);
         if (w.scalar_type() != at::kFloat) {
-          w = at::from_blob(ThreadBuffer(1, width * cols), {width, cols}).copy_(w);
+          if (!widened.defined()) widened = at::empty({panel * chunk}, at::kFloat);
+          w = widened.narrow(0, 0, width * cols).view({width, cols}).copy_(w);
         }
         if (k0 == 0) {
           at::mm_out(out, xf.narrow(1, k0, cols), w.t());
@@ -279,23 +289,21 @@ RotaryTable MakeRotaryTable(const at::Tensor& positions, const at::Tensor& inv_f
 void RotateHeadRow(const at::BFloat16* x, const float* c, const float* s, at::BFloat16* y,
                    int64_t hd, float sign) {
   const int64_t half = hd / 2;
-  for (int64_t j = 0; j < half; ++j) {
-    y[j] = at::BFloat16(static_cast<float>(x[j]) * c[j] -
-                        sign * (static_cast<float>(x[j + half]) * s[j]));
-  }
-  for (int64_t j = half; j < hd; ++j) {
-    y[j] = at::BFloat16(static_cast<float>(x[j]) * c[j] +
-                        sign * (static_cast<float>(x[j - half]) * s[j]));
+  for (int64_t j = 0; j < half; ++j) {  // both halves' values read before either is written
+    const float a = static_cast<float>(x[j]), b = static_cast<float>(x[j + half]);
+    y[j] = at::BFloat16(a * c[j] - sign * (b * s[j]));
+    y[j + half] = at::BFloat16(b * c[j + half] + sign * (a * s[j + half]));
   }
 }
 
-at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table) {
+at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table, bool may_overwrite) {
   if (IsPlainCpuBf16(x) && x.dim() == 3 && x.stride(2) == 1 && table.cos.is_contiguous() &&
       table.sin.is_contiguous() && table.cos.scalar_type() == at::kFloat &&
       table.cos.size(0) == x.size(0) && table.cos.size(2) == x.size(2)) {
-    // x [n, heads, hd] (a strided view of the fused q/k/v rows) -> contiguous, in one pass.
+    // x [n, heads, hd] (a strided view of the fused q/k/v rows) -> rotated in one pass, into a
+    // contiguous tensor or over x itself.
     const int64_t n = x.size(0), heads = x.size(1), hd = x.size(2);
-    at::Tensor y = at::empty({n, heads, hd}, x.options());
+    at::Tensor y = may_overwrite ? x : at::empty({n, heads, hd}, x.options());
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
     const float* cp = table.cos.data_ptr<float>();
     const float* sp = table.sin.data_ptr<float>();
@@ -303,7 +311,7 @@ at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table) {
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t h = 0; h < heads; ++h) {
         RotateHeadRow(xp + i * x.stride(0) + h * x.stride(1), cp + i * hd, sp + i * hd,
-                      yp + (i * heads + h) * hd, hd);
+                      yp + i * y.stride(0) + h * y.stride(1), hd);
       }
     }
     return y;
@@ -566,11 +574,14 @@ at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at
   at::Tensor q4 = q.permute({1, 0, 2}).reshape({hkv, g, n, hd});
   at::Tensor keys_t = keys.transpose(1, 2);  // [Hkv, hd, L]
   std::vector<at::Tensor> outs;
+  const int64_t block =
+      std::clamp<int64_t>(kQueryBlockBytes / std::max<int64_t>(1, h * len * int64_t{sizeof(float)}),
+                          kMinQueryBlock, kQueryBlock);
   // (A split rather than a narrow per block: under autograd, one concatenation backward.)
-  const std::vector<at::Tensor> blocks = q4.split(kQueryBlock, 2);
-  for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) {
-    const int64_t bn = std::min(kQueryBlock, n - i0);
-    at::Tensor qb = blocks[i0 / kQueryBlock].reshape({hkv, g * bn, hd});
+  const std::vector<at::Tensor> blocks = q4.split(block, 2);
+  for (int64_t i0 = 0; i0 < n; i0 += block) {
+    const int64_t bn = std::min(block, n - i0);
+    at::Tensor qb = blocks[i0 / block].reshape({hkv, g * bn, hd});
     at::Tensor scores = at::matmul(qb, keys_t).view({hkv, g, bn, len});  // not yet scaled
     // Row i0+r sits at cache index len-n+i0+r and may see keys up to there.
     at::Tensor probs;                                 // [Hkv, G, bn, L] fp32
@@ -579,6 +590,7 @@ at::Tensor CachedAttention(const at::Tensor& q, const at::Tensor& keys, const at
     } else if (scores.is_cpu()) {
       scores.mul_(scale);
       probs = scores.to(at::kFloat).contiguous();  // masked softmax in place (cpu_ops.h)
+      scores = at::Tensor();
       float* pp = probs.data_ptr<float>();
       for (int64_t blk = 0; blk < hkv * g; ++blk) {
         CausalSoftmaxRows(pp + blk * bn * len, bn, len, len - n + i0 + 1);
@@ -721,10 +733,11 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
   at::Tensor pos = at::tensor(positions, at::kLong).to(dev);           // [N]
   const RotaryTable rope = MakeRotaryTable(pos, inv_freq_);
 
+  // Each temporary is dropped as soon as the next step has read it: at 7B widths a 256-row
+  // pass holds ~25 MB at its peak instead of ~50 (docs/BENCHMARKS.md, "The paged KV pool").
   for (int li = 0; li < t.num_hidden_layers; ++li) {
     const LlamaLayer& l = layers_[li];
-    at::Tensor hn = RmsNorm(x, l.input_norm, t.rms_norm_eps);
-    at::Tensor qkv = l.qkv(hn);  // [N, (H + 2 Hkv) hd]
+    at::Tensor qkv = l.qkv(RmsNorm(x, l.input_norm, t.rms_norm_eps));  // [N, (H + 2 Hkv) hd]
     at::Tensor q, k, v;
     if (IsTrainingCpu(qkv, at::kBFloat16) && rope.cos.scalar_type() == at::kFloat &&
         rope.cos.is_contiguous() &&
@@ -734,15 +747,20 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
       k = qkv3[1];
       v = qkv3[2];
     } else {
-      q = ApplyRotary(qkv.narrow(1, 0, nh * hd).view({total, nh, hd}), rope);
-      k = ApplyRotary(qkv.narrow(1, nh * hd, nkv * hd).view({total, nkv, hd}), rope);
+      // Rotated over their rows of qkv: q, k and v stay views of it.
+      q = ApplyRotary(qkv.narrow(1, 0, nh * hd).view({total, nh, hd}), rope, true);
+      k = ApplyRotary(qkv.narrow(1, nh * hd, nkv * hd).view({total, nkv, hd}), rope, true);
       v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({total, nkv, hd});
     }
-    x = x + l.o(AllAttention(chunks, offsets, decode_rows, q, k, v, li));
-    hn = RmsNorm(x, l.post_norm, t.rms_norm_eps);
-    at::Tensor gate_up = l.gate_up(hn);  // [N, 2F]
-    const int64_t f = t.intermediate_size;
-    x = x + l.down(SwiGlu(gate_up, f));
+    at::Tensor attn = AllAttention(chunks, offsets, decode_rows, q, k, v, li);
+    qkv = q = k = v = at::Tensor();
+    x = x + l.o(attn);
+    attn = at::Tensor();
+    at::Tensor gate_up = l.gate_up(RmsNorm(x, l.post_norm, t.rms_norm_eps));  // [N, 2F]
+    at::Tensor act = SwiGlu(std::move(gate_up), t.intermediate_size);
+    at::Tensor down = l.down(act);
+    act = at::Tensor();
+    x = x + down;
     if (layer_outputs != nullptr) layer_outputs->push_back(x);
   }
   at::Tensor rows = at::tensor(logit_rows, at::kLong).to(dev);

@@ -41,11 +41,11 @@ struct Linear {
 // memory and are widened one panel at a time, at most kLinearPanelFloats floats: the prefill
 // product of the CPU paths without AVX512-BF16, where ATen's bf16 matmul has no fast path.
 // x [rows, in], weight [out, in], bias [out] or undefined; bf16 or fp32 -> [rows, out] in x's
-// dtype. Each intra-op thread keeps its widened panel (bf16 weights) and its panel of fp32
-// outputs (bf16 rows) between calls: up to kLinearPanelFloats + rows x panel rows floats, which
-// is serving workspace. 8 MiB: 16 MiB per thread was most of a 7B-wide prefill's workspace, and
-// in an interleaved A/B at 7B prefill shapes (512 rows, AVX2 path) 8 MiB panels ran within 2%
-// of 16 MiB ones where 4 MiB ones lost 2-4% (docs/BENCHMARKS.md, "The paged KV pool").
+// dtype. Each intra-op thread widens into a panel of at most kLinearPanelFloats floats and
+// writes a panel of fp32 outputs (bf16 rows), tensors of the call. 8 MiB: 16 MiB per thread was
+// most of a 7B-wide prefill's workspace, and in an interleaved A/B at 7B prefill shapes (512
+// rows, AVX2 path) 8 MiB panels ran within 2% of 16 MiB ones where 4 MiB ones lost 2-4%
+// (docs/BENCHMARKS.md, "The paged KV pool").
 constexpr int64_t kLinearPanelFloats = int64_t{1} << 21;  // 8 MiB of fp32 weights
 constexpr int64_t kLinearChunkColumns = 4096;             // longer rows are added in chunks
 at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
@@ -174,11 +174,14 @@ struct RotaryTable {
   at::Tensor cos, sin;
 };
 RotaryTable MakeRotaryTable(const at::Tensor& positions, const at::Tensor& inv_freq);
-// x [n, heads, hd] -> rotated, same dtype.
-at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table);
+// x [n, heads, hd] -> rotated, same dtype. With `may_overwrite`, x's values may be replaced
+// by the result (a bf16 CPU tensor outside autograd is rotated in place and returned; the
+// decoder rotates q and k over their rows of the fused q/k/v output).
+at::Tensor ApplyRotary(const at::Tensor& x, const RotaryTable& table, bool may_overwrite = false);
 // One head row of hd bf16 values rotated by one position's cos / sin row, fp32 arithmetic and
 // one rounding: y[j] = x[j] c[j] - x[j + half] s[j] in the first half, x[j] c[j] + x[j - half]
 // s[j] in the second. sign = -1 applies the transposed rotation (the trainer's backward pass).
+// y may be x.
 void RotateHeadRow(const at::BFloat16* x, const float* c, const float* s, at::BFloat16* y,
                    int64_t hd, float sign = 1.f);
 // Receives the softmax probabilities of query rows [first, first + rows): [H, rows, len], fp32.

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "engine/io/image_io.h"
+#include "engine/kernels/activation_memory.h"
 #include "engine/kernels/runtime.h"
 #include "engine/model/llava_model.h"
 
@@ -59,7 +60,7 @@ Engine::Engine(const ModelRunner& model, const EngineOptions& options)
       options_(options),
       free_heap_max_bytes_(options.free_heap_max_bytes >= 0
                                ? options.free_heap_max_bytes
-                               : std::max<int64_t>(int64_t{16} << 20, options.kv_cache_bytes / 20)),
+                               : std::max<int64_t>(int64_t{4} << 20, options.kv_cache_bytes / 100)),
       pool_(std::make_unique<KvPool>(model.kv_layout(), options.kv_cache_bytes)),
       scheduler_([&] {
         SchedulerConfig c;
@@ -196,8 +197,12 @@ void Engine::Shutdown(std::chrono::milliseconds grace) {
 }
 
 EngineSnapshot Engine::Snapshot() const {
+  const ActivationMemoryStats a = ActivationMemory();  // process-wide; zeros if not installed
   std::lock_guard<std::mutex> lock(mu_);
-  return snapshot_;
+  EngineSnapshot s = snapshot_;
+  s.activation_mapped_bytes = a.mapped_bytes;
+  s.activation_peak_bytes = a.peak_live_bytes;
+  return s;
 }
 
 void Engine::Loop() {
@@ -309,8 +314,11 @@ void Engine::Loop() {
     // "The paged KV pool"); beyond the bound they go back to the system. At most every 100 ms:
     // reading the heap's statistics costs ~0.6 ms, 9% of a default-model decode step if done
     // after each, while a 7B-shaped pass, whose transients matter, takes longer than that.
-    if (free_heap_max_bytes_ > 0 && Clock::now() - last_trim >= std::chrono::milliseconds(100)) {
-      TrimFreeHeap(free_heap_max_bytes_);
+    // The activation allocator's bound restarts with the same period: blocks a heavy pass kept
+    // are unmapped once the passes after it need less (activation_memory.h).
+    if (Clock::now() - last_trim >= std::chrono::milliseconds(100)) {
+      if (free_heap_max_bytes_ > 0) TrimFreeHeap(free_heap_max_bytes_);
+      StartActivationWindow();
       last_trim = Clock::now();
     }
 

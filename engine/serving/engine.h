@@ -58,7 +58,8 @@ struct EngineOptions {
   double initial_growth_ratio = 1.0;
   double min_growth_ratio = 0.1;
   // Free heap memory kept between passes (TrimFreeHeap, runtime.h): above it, the free pages go
-  // back to the system after the pass. -1: 5% of kv_cache_bytes, at least 16 MiB; 0: never.
+  // back to the system after the pass. -1: 1% of kv_cache_bytes, at least 4 MiB (the large
+  // tensors live in the activation allocator's blocks, activation_memory.h); 0: never.
   int64_t free_heap_max_bytes = -1;
 };
 
@@ -87,6 +88,11 @@ struct EngineSnapshot {
   int last_batch_size = 0;
   int max_batch = 0;        // EngineOptions::max_batch: the most sequences one decode step runs
   int64_t preemptions = 0;  // requests that gave their pages back to be recomputed, ever
+  // The forward pass's CPU tensors (activation_memory.h; zeros unless its allocator is
+  // installed): blocks mapped now (in use and kept for the next pass), the most bytes live at
+  // once since start.
+  int64_t activation_mapped_bytes = 0;
+  int64_t activation_peak_bytes = 0;
 };
 
 // What the network layer needs from an engine; lets the gRPC layer be tested against a
