@@ -23,7 +23,7 @@ namespace llava {
 
 struct ActivationAllocatorOptions {
   int64_t min_block_bytes = 256 << 10;  // smaller tensors stay on malloc's heap
-  double slack = 1.1;                   // mapped bytes kept within slack x the recent live peak
+  double slack = 1.1;  // mapped bytes kept within slack x the window's peak of block bytes in use
 };
 
 struct ActivationMemoryStats {
