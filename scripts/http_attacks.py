@@ -2,11 +2,11 @@
 """The HTTP API's hostile-client checks, run against a real llava-server.
 
 Starts the server (the default model, `--http-max-body-bytes 32 MiB`, bearer tokens on, at most
-50 connections), samples its RSS every 10 ms, and sends each attack in turn: what the server
-answered, how long it took, and the peak RSS above the idle server while it ran. Python's
-standard library only.
+50 connections; with --tls the HTTP API on TLS with a self-signed certificate made by openssl),
+samples its RSS every 10 ms, and sends each attack in turn: what the server answered, how long it
+took, and the peak RSS above the idle server while it ran. Python's standard library only.
 
-usage: scripts/http_attacks.py [--server build/llava-server] [--model models/shapes-llava]
+usage: scripts/http_attacks.py [--server build/llava-server] [--model models/shapes-llava] [--tls]
 """
 import argparse
 import base64
@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import socket
+import ssl
 import struct
 import subprocess
 import tempfile
@@ -23,6 +24,8 @@ import zlib
 
 TOKEN = "attack-test-token-0123456789"
 MAX_BODY = 32 << 20
+API_TLS = None  # an ssl.SSLContext when the HTTP API is on TLS (--tls)
+API_PORT = 18097
 
 
 def rss_mb(pid):
@@ -59,6 +62,8 @@ class Sampler:
 def connect(port):
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if API_TLS is not None and port == API_PORT:
+        s = API_TLS.wrap_socket(s, server_hostname="localhost")
     return s
 
 
@@ -71,7 +76,7 @@ def read_answer(s, timeout=10.0):
             if not d:
                 break
             out += d
-    except (socket.timeout, ConnectionError):
+    except OSError:  # a timeout, a reset, a TLS stream cut
         pass
     return out.split(b"\r\n", 1)[0].decode(errors="replace") or "(closed, no answer)"
 
@@ -87,7 +92,7 @@ def send_until_refused(s, head, chunks, limit_s=20.0):
                 break
             s.sendall(c)
             sent += len(c)
-    except (socket.timeout, ConnectionError, BrokenPipeError):
+    except OSError:  # a timeout, a reset, a TLS stream cut
         pass
     return sent, read_answer(s, 5)
 
@@ -128,32 +133,45 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", default="build/llava-server")
     ap.add_argument("--model", default="models/shapes-llava")
+    ap.add_argument("--tls", action="store_true", help="the HTTP API on TLS")
     args = ap.parse_args()
+    global API_TLS
     scene = open("models/examples/scene1.png", "rb").read()
     with tempfile.TemporaryDirectory() as tmp:
         tokens = os.path.join(tmp, "tokens")
         with open(tokens, "w") as f:
             f.write(f"attacker-test {TOKEN}\n")
+        tls_flags = []
+        if args.tls:
+            cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                            "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj",
+                            "/CN=localhost", "-keyout", key, "-out", cert],
+                           check=True, capture_output=True)
+            tls_flags = ["--tls-cert", cert, "--tls-key", key]
+            API_TLS = ssl.create_default_context(cafile=cert)
         log = open(os.path.join(tmp, "server.log"), "w+")
         server = subprocess.Popen(
             [args.server, "--model", args.model, "--listen", "127.0.0.1:50097",
-             "--http-listen", "127.0.0.1:18097", "--metrics-listen", "127.0.0.1:9297",
+             "--http-listen", f"127.0.0.1:{API_PORT}", "--metrics-listen", "127.0.0.1:9297",
              "--threads", "1", "--http-max-body-bytes", str(MAX_BODY), "--http-max-connections",
-             "50", "--auth-tokens-file", tokens], stdout=log, stderr=subprocess.STDOUT)
+             "50", "--auth-tokens-file", tokens] + tls_flags,
+            stdout=log, stderr=subprocess.STDOUT)
         try:
             for _ in range(300):
                 log.seek(0)
                 if "serving on port" in log.read():
                     break
                 time.sleep(0.1)
-            port = 18097
+            port = API_PORT
             post(port, chat_body([scene]))  # warm: the first request pages weights in
             time.sleep(0.5)
             idle = rss_mb(server.pid)
             t0 = time.time()
             post(port, chat_body([scene]))
             quiet_s = time.time() - t0
-            print(f"idle RSS {idle:.0f} MB; a normal chat alone: {quiet_s * 1e3:.0f} ms; "
+            print(f"HTTP API on {'TLS' if args.tls else 'plain TCP'}; idle RSS {idle:.0f} MB; "
+                  f"a normal chat alone: {quiet_s * 1e3:.0f} ms; "
                   f"--http-max-body-bytes {MAX_BODY >> 20} MiB")
             print("| attack | answer | time, s | peak RSS above idle, MB |")
             print("|---|---|---|---|")
@@ -229,10 +247,16 @@ def main():
                 ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
                 for t in ts:
                     t.start()
+                time.sleep(0.3)  # the bombs are being read and decoded
+                t = time.time()
+                chat = post(port, chat_body([scene]))
+                took = time.time() - t
                 for t in ts:
                     t.join()
-                return ", ".join(sorted(set(out)))
-            row(f"4 concurrent 16-bit PNG bombs (6000x6000, {len(big) >> 10} KiB each)", bombs)
+                return f"{', '.join(sorted(set(out)))}; a normal chat beside them: {chat}, " \
+                       f"{took * 1e3:.0f} ms ({took / quiet_s:.1f}x quiet)"
+            row(f"4 concurrent 16-bit PNG bombs (6000x6000, {len(big) >> 10} KiB each) "
+                "+ a normal chat", bombs)
             many = png(6300, 6300, 8)
             row(f"12 x 40-megapixel PNGs ({len(many) >> 10} KiB each) in one request",
                 lambda: post(port, chat_body([many] * 12)))

@@ -8,7 +8,6 @@
 #include <boost/asio/ssl.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
-#include <cstring>
 #include <future>
 #include <list>
 #include <mutex>
@@ -160,12 +159,16 @@ class HttpServer::Impl {
   void Closed(const char* reason) const {
     if (reason != nullptr && events.closed) events.closed(reason);
   }
-  void Register(Connection* c) {
+  // `refusing`: a connection past the cap that is only being answered 503 (TLS); it is open,
+  // and closed when the server stops, but not counted against the cap.
+  void Register(Connection* c, bool refusing) {
     connections.push_back(c);
+    refusing_now += refusing ? 1 : 0;
     if (events.connections) events.connections(static_cast<int>(connections.size()));
   }
-  void Unregister(Connection* c) {
+  void Unregister(Connection* c, bool refusing) {
     connections.remove(c);
+    refusing_now -= refusing ? 1 : 0;
     if (events.connections) events.connections(static_cast<int>(connections.size()));
   }
 
@@ -181,12 +184,19 @@ class HttpServer::Impl {
   std::thread io_thread;
   // I/O thread only:
   std::list<Connection*> connections;  // open, oldest first
+  int refusing_now = 0;                // of which are being refused (TLS past the cap)
   bool stopping = false;
   // Answers under way (a request read, its answer not yet sent in full); read by Stop.
   std::atomic<int> answering{0};
 };
 
 namespace {
+
+// A TLS connection past the cap is answered 503 only after a handshake, which the server does
+// for at most this many at once, each within this time; beyond that such a connection is closed
+// without a word.
+constexpr int kMaxRefusing = 16;
+constexpr int kRefusalHandshakeMs = 2000;
 
 // One connection: reads heads and bodies, hands requests to the handler, writes answers.
 // Everything runs on the I/O thread; pending operations hold a reference.
@@ -197,21 +207,32 @@ class Session final : public Connection,
  public:
   static constexpr bool kTls = !std::is_same_v<Stream, tcp::socket>;
 
-  Session(HttpServer::Impl* server, Stream stream)
+  // `refusing`: a TLS connection past the cap, answered 503 after its handshake (a plain one is
+  // answered by Admit without a session).
+  Session(HttpServer::Impl* server, Stream stream, bool refusing = false)
       : server_(server),
         limits_(server->limits),
         stream_(std::move(stream)),
         buffer_(server->limits.max_head_bytes + 16384),
-        timer_(server->io) {}
+        timer_(server->io),
+        refusing_(refusing) {}
 
   void Start() {
-    server_->Register(this);
-    Arm(limits_.head_timeout_ms, "head_timeout");
+    server_->Register(this, refusing_);
+    if (refusing_) {
+      Arm(std::min(limits_.head_timeout_ms, kRefusalHandshakeMs), nullptr);
+    } else {
+      Arm(limits_.head_timeout_ms, "head_timeout");
+    }
     if constexpr (kTls) {
       stream_.async_handshake(ssl::stream_base::server, [self = Self()](beast::error_code ec) {
         if (self->closed_) return;
         if (ec) return self->Close("tls_handshake");
         self->handshaken_ = true;
+        if (self->refusing_) {
+          self->Disarm();
+          return self->Refuse(503, "the server is at its connection limit: retry later", nullptr);
+        }
         self->ReadHead();
       });
     } else {
@@ -220,10 +241,10 @@ class Session final : public Connection,
   }
 
   ~Session() override {
-    if (!closed_) server_->Unregister(this);  // every path closes first; never leave a dangler
+    if (!closed_) server_->Unregister(this, refusing_);  // every path closes first
   }
 
-  bool WaitingForHead() const override { return !exchange_ && !writing_; }
+  bool WaitingForHead() const override { return !refusing_ && !exchange_ && !writing_; }
   void Stopping() override { keep_alive_ = false; }
 
   void Close(const char* reason) override {
@@ -237,7 +258,7 @@ class Session final : public Connection,
     Socket().close(ignored);
     next_ = nullptr;
     EndExchange(/*gone=*/true);
-    server_->Unregister(this);
+    server_->Unregister(this, refusing_);
   }
 
   void Reply(HttpResponse response) override {
@@ -301,20 +322,24 @@ class Session final : public Connection,
     timer_.cancel();
   }
   void Expired(const char* reason) {
-    // A head begun but not finished in time is told so, if the socket takes it at once.
+    // A head begun but not finished in time is told so. A plain socket gets what the kernel
+    // takes now; a TLS connection past its handshake gets the answer written through the stream
+    // within the write deadline (the head read under way is dropped), then closes.
     if (std::string_view(reason == nullptr ? "" : reason) == "head_timeout" && !exchange_ &&
-        buffer_.size() > 0) {
-      SendNow("HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        !writing_ && !closing_ && buffer_.size() > 0) {
+      if constexpr (kTls) {
+        if (handshaken_) {
+          return Refuse(408, "the request head did not arrive in time", reason);
+        }
+      } else {
+        static const char k408[] =
+            "HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        beast::error_code ignored;
+        Socket().non_blocking(true, ignored);
+        Socket().send(net::buffer(k408, sizeof(k408) - 1), 0, ignored);
+      }
     }
     Close(reason);
-  }
-  // Plain sockets only (a TLS answer needs the handshake's state): what the kernel takes now.
-  void SendNow(const char* text) {
-    if constexpr (!kTls) {
-      beast::error_code ignored;
-      Socket().non_blocking(true, ignored);
-      Socket().send(net::buffer(text, std::strlen(text)), 0, ignored);
-    }
   }
 
   void ReadHead() {
@@ -463,7 +488,9 @@ class Session final : public Connection,
     server_->Closed(reason);
     keep_alive_ = false;
     head_only_ = false;
-    Write(Refusal(status, message));
+    HttpResponse answer = Refusal(status, message);
+    if (status == 503) answer.headers.emplace_back("Retry-After", "1");
+    Write(std::move(answer));
   }
 
   void Wrote(beast::error_code ec) {
@@ -544,6 +571,7 @@ class Session final : public Connection,
   bool handshaken_ = false, reading_head_ = false, head_waiting_ = false, writing_ = false;
   bool answer_started_ = false, ending_ = false, closing_ = false, closed_ = false;
   bool keep_alive_ = true, head_only_ = false;
+  const bool refusing_;
 };
 
 }  // namespace
@@ -559,7 +587,8 @@ void HttpServer::Impl::Accept() {
 void HttpServer::Impl::Admit(tcp::socket socket) {
   beast::error_code ignored;
   socket.set_option(tcp::no_delay(true), ignored);  // one event per token
-  if (static_cast<int>(connections.size()) >= limits.max_connections) {
+  bool refusing = false;
+  if (static_cast<int>(connections.size()) - refusing_now >= limits.max_connections) {
     Connection* idle = nullptr;
     for (Connection* c : connections) {
       if (c->WaitingForHead()) {
@@ -567,24 +596,30 @@ void HttpServer::Impl::Admit(tcp::socket socket) {
         break;
       }
     }
-    if (idle == nullptr) {
-      // Every connection carries a request: this one is refused (with TLS, without a word).
+    if (idle != nullptr) {
+      idle->Close("cap");
+    } else {
+      // Every connection carries a request: this one is answered 503 and closed. A plain
+      // socket is told at once; a TLS one after its handshake, within the bounds above.
       Closed("refused");
-      if (!tls_context) {
-        static const char k503[] =
-            "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n"
-            "Connection: close\r\n\r\n";
-        socket.non_blocking(true, ignored);
-        socket.send(net::buffer(k503, sizeof(k503) - 1), 0, ignored);
+      if (tls_context && refusing_now < kMaxRefusing) {
+        refusing = true;
+      } else {
+        if (!tls_context) {
+          static const char k503[] =
+              "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n"
+              "Connection: close\r\n\r\n";
+          socket.non_blocking(true, ignored);
+          socket.send(net::buffer(k503, sizeof(k503) - 1), 0, ignored);
+        }
+        socket.close(ignored);
+        return;
       }
-      socket.close(ignored);
-      return;
     }
-    idle->Close("cap");
   }
   if (tls_context) {
     std::make_shared<Session<ssl::stream<tcp::socket>>>(
-        this, ssl::stream<tcp::socket>(std::move(socket), *tls_context))
+        this, ssl::stream<tcp::socket>(std::move(socket), *tls_context), refusing)
         ->Start();
   } else {
     std::make_shared<Session<tcp::socket>>(this, std::move(socket))->Start();

@@ -14,7 +14,9 @@
 //   per-read timeout that a byte a second extends), and each response write within
 //   `write_timeout_ms`;
 // - at most `max_connections` are open: a new connection closes the oldest one that is waiting
-//   for a request head, and when none is, it is answered 503 and closed.
+//   for a request head, and when none is, it is answered 503 and closed (with TLS after its
+//   handshake, for at most 16 such connections at once, each within 2 s; more are closed
+//   without a word). A head that misses its deadline is answered 408, on TLS too.
 // Handlers run on a pool of `workers` threads (JSON parsing and image decoding happen there);
 // waiting for the engine holds no thread: the answer is handed to the HttpExchange from any
 // thread, and a streamed answer is pulled by the I/O thread as the client takes it. A client

@@ -6,12 +6,15 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <openssl/ssl.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -139,16 +142,73 @@ class TestRoutes final : public HttpHandler {
   std::vector<std::shared_ptr<HttpExchange>> holds;  // guarded by mu
 };
 
+// A self-signed certificate (openssl's command line) in a server context, for the TLS tests.
+SSL_CTX* TestTlsContext() {
+  const std::string dir = ::testing::TempDir() + "/llava-http-tls";
+  const std::string make = "mkdir -p " + dir + " && openssl req -x509 -newkey ec -pkeyopt " +
+                           "ec_paramgen_curve:prime256v1 -nodes -days 2 -subj /CN=localhost " +
+                           "-keyout " + dir + "/key.pem -out " + dir + "/cert.pem 2> /dev/null";
+  if (std::system(make.c_str()) != 0) return nullptr;
+  SSL_CTX* ctx = SSL_CTX_new(TLS_server_method());
+  if (SSL_CTX_use_certificate_chain_file(ctx, (dir + "/cert.pem").c_str()) != 1 ||
+      SSL_CTX_use_PrivateKey_file(ctx, (dir + "/key.pem").c_str(), SSL_FILETYPE_PEM) != 1) {
+    SSL_CTX_free(ctx);
+    return nullptr;
+  }
+  return ctx;
+}
+
+// A blocking TLS client on a new connection (the certificate is not verified: the tests are
+// about what the server sends, not whom to trust).
+class TlsClient {
+ public:
+  explicit TlsClient(int port)
+      : ctx_(SSL_CTX_new(TLS_client_method())), fd_(Connect(port)), ssl_(SSL_new(ctx_)) {
+    timeval t{5, 0};  // no read blocks a test for longer
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &t, sizeof(t));
+    SSL_set_fd(ssl_, fd_);
+    handshaken_ = SSL_connect(ssl_) == 1;
+  }
+  ~TlsClient() {
+    SSL_free(ssl_);
+    ::close(fd_);
+    SSL_CTX_free(ctx_);
+  }
+  bool handshaken() const { return handshaken_; }
+  void Send(const std::string& text) {
+    ASSERT_EQ(SSL_write(ssl_, text.data(), static_cast<int>(text.size())),
+              static_cast<int>(text.size()));
+  }
+  // Everything until the server closes, or `until` has come, or a read waits 5 s.
+  std::string ReadAll(const std::string& until = "") {
+    std::string out;
+    char buf[4096];
+    while (until.empty() || out.find(until) == std::string::npos) {
+      const int n = SSL_read(ssl_, buf, sizeof(buf));
+      if (n <= 0) break;
+      out.append(buf, static_cast<size_t>(n));
+    }
+    return out;
+  }
+  int fd() const { return fd_; }
+
+ private:
+  SSL_CTX* ctx_;
+  int fd_;
+  SSL* ssl_;
+  bool handshaken_ = false;
+};
+
 class HttpServerTest : public ::testing::Test {
  protected:
-  void StartWith(HttpServer::Limits limits) {
+  void StartWith(HttpServer::Limits limits, SSL_CTX* tls = nullptr) {
     HttpServer::Events events;
     events.connections = [this](int open) { open_ = open; };
     events.closed = [this](const char* reason) {
       std::lock_guard<std::mutex> lock(mu_);
       ++closed_[reason];
     };
-    server_ = std::make_unique<HttpServer>(&routes_, nullptr, limits, std::move(events));
+    server_ = std::make_unique<HttpServer>(&routes_, tls, limits, std::move(events));
     port_ = server_->Start("127.0.0.1:0");
     ASSERT_GT(port_, 0);
   }
@@ -444,6 +504,47 @@ TEST_F(HttpServerTest, AClientThatLeavesIsReportedWhileItsAnswerIsAwaited) {
   ::close(fd);
   for (int i = 0; i < 200 && routes_.gone.load() < 1; ++i) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(routes_.gone.load(), 1);
+}
+
+// On a TLS port the same answers come through the encrypted stream: a head that misses its
+// deadline gets 408, and a connection past the cap while every one is busy gets 503 with
+// Retry-After after its handshake; the busy ones are untouched.
+TEST_F(HttpServerTest, OverTlsASlowHeadGets408AndOneOverTheCap503) {
+  SSL_CTX* tls = TestTlsContext();
+  ASSERT_NE(tls, nullptr) << "openssl could not make a certificate";
+  HttpServer::Limits limits;
+  limits.max_connections = 2;
+  limits.head_timeout_ms = 1000;
+  StartWith(limits, tls);
+  SSL_CTX_free(tls);  // the server holds its own reference
+  {
+    TlsClient slow(port_);
+    ASSERT_TRUE(slow.handshaken());
+    slow.Send("GET /ping HTTP/1.1\r\nHost");
+    const auto t0 = Clock::now();
+    const std::string reply = slow.ReadAll();
+    EXPECT_NE(reply.find("HTTP/1.1 408"), std::string::npos) << reply;
+    EXPECT_LT(Clock::now() - t0, 3000ms);
+  }
+  EXPECT_EQ(Closed("head_timeout"), 1);
+  std::vector<std::unique_ptr<TlsClient>> busy;
+  for (int i = 0; i < 2; ++i) {
+    busy.push_back(std::make_unique<TlsClient>(port_));
+    ASSERT_TRUE(busy.back()->handshaken());
+    busy.back()->Send("GET /hold HTTP/1.1\r\nHost: x\r\n\r\n");
+  }
+  for (int i = 0; i < 100 && routes_.handled.load() < 2; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(routes_.handled.load(), 2);
+  {
+    TlsClient extra(port_);
+    ASSERT_TRUE(extra.handshaken());
+    const std::string reply = extra.ReadAll();
+    EXPECT_NE(reply.find("HTTP/1.1 503"), std::string::npos) << reply;
+    EXPECT_NE(reply.find("Retry-After: 1"), std::string::npos) << reply;
+  }
+  EXPECT_EQ(Closed("refused"), 1);
+  for (auto& b : busy) EXPECT_FALSE(ClosedWithin(b->fd(), 50ms));
+  EXPECT_EQ(routes_.gone.load(), 0);
 }
 
 // The server drains its engine, then stops: a stream whose last chunks are still being written

@@ -75,5 +75,43 @@ TEST(PrepareGate, AClaimOverTheBudgetRunsAloneAndTurnsAreCounted) {
   t3.join();
 }
 
+// Waiting for the budget is bounded: with a large claim decoding and another waiting, a third
+// large claim is refused at once instead of holding its thread, while a claim that fits beside
+// the one decoding goes ahead of the waiting one.
+TEST(PrepareGate, OnlyOneBudgetOfClaimsWaitsAndWhatFitsGoesAhead) {
+  PrepareGate gate(/*max_turns=*/4, /*budget_bytes=*/100);
+  std::atomic<bool> bomb1{false}, bomb2{false}, small{false}, release1{false}, release2{false},
+      release_small{false};
+  std::thread t1 = Holder(&gate, 90, &bomb1, &release1);
+  ASSERT_TRUE(BecomesTrue(bomb1, 2000ms));
+  std::thread t2 = Holder(&gate, 90, &bomb2, &release2);
+  EXPECT_FALSE(BecomesTrue(bomb2, 100ms)) << "the second bomb waits for the budget";
+  {
+    PrepareGate::Turn third(&gate, 90);
+    EXPECT_FALSE(third.admitted()) << "two bombs' claims do not fit one budget: refused";
+  }
+  std::thread ts = Holder(&gate, 10, &small, &release_small);
+  EXPECT_TRUE(BecomesTrue(small, 2000ms)) << "a claim that fits beside the first goes ahead";
+  {
+    PrepareGate::Turn tiny(&gate, 0);
+    EXPECT_TRUE(tiny.admitted()) << "what fits is never refused";
+  }
+  release_small = true;
+  ts.join();
+  release1 = true;
+  t1.join();
+  EXPECT_TRUE(BecomesTrue(bomb2, 2000ms)) << "the waiting bomb runs when the first has gone";
+  // A claim of a budget and more waits when it is the only one waiting.
+  std::atomic<bool> huge{false}, release_huge{false};
+  std::thread th = Holder(&gate, 500, &huge, &release_huge);
+  EXPECT_FALSE(BecomesTrue(huge, 100ms));
+  release2 = true;
+  t2.join();
+  EXPECT_TRUE(BecomesTrue(huge, 2000ms)) << "alone, it runs";
+  release_huge = true;
+  th.join();
+  EXPECT_EQ(gate.bytes_in_use(), 0);
+}
+
 }  // namespace
 }  // namespace llava

@@ -126,8 +126,15 @@ Status Engine::Submit(uint64_t id, const GenerationRequest& request,
     StatusOr<ImageInfo> info = ProbeImage(image, "");  // a bad header is refused by Prepare
     if (info.ok()) decode_bytes = std::max(decode_bytes, ImageDecodeBytes(*info));
   }
-  StatusOr<PreparedRequest> prepared = [&] {
+  StatusOr<PreparedRequest> prepared = [&]() -> StatusOr<PreparedRequest> {
     PrepareGate::Turn turn(prepare_gate_.get(), decode_bytes);
+    if (!turn.admitted()) {
+      return ResourceExhausted(
+          "images waiting to be decoded would need more than the decode "
+          "budget (" +
+          std::to_string(decode_bytes >> 20) +
+          " MiB for this request's largest image): retry later");
+    }
     return PrepareRequest(request, model_.config(), model_.tokenizer(), options_.limits,
                           request.sampling.max_tokens);
   }();
