@@ -2,7 +2,7 @@
 """The HTTP API's hostile-client checks, run against a real llava-server.
 
 Starts the server (the default model, `--http-max-body-bytes 32 MiB`, bearer tokens on, at most
-50 connections; with --tls the HTTP API on TLS with a self-signed certificate made by openssl),
+250 connections; with --tls the HTTP API on TLS with a self-signed certificate made by openssl),
 samples its RSS every 10 ms, and sends each attack in turn: what the server answered, how long it
 took, and the peak RSS above the idle server while it ran. Python's standard library only.
 
@@ -26,6 +26,7 @@ TOKEN = "attack-test-token-0123456789"
 MAX_BODY = 32 << 20
 API_TLS = None  # an ssl.SSLContext when the HTTP API is on TLS (--tls)
 API_PORT = 18097
+CAP = 250  # --http-max-connections
 
 
 def rss_mb(pid):
@@ -155,7 +156,7 @@ def main():
             [args.server, "--model", args.model, "--listen", "127.0.0.1:50097",
              "--http-listen", f"127.0.0.1:{API_PORT}", "--metrics-listen", "127.0.0.1:9297",
              "--threads", "1", "--http-max-body-bytes", str(MAX_BODY), "--http-max-connections",
-             "50", "--auth-tokens-file", tokens] + tls_flags,
+             str(CAP), "--auth-tokens-file", tokens] + tls_flags,
             stdout=log, stderr=subprocess.STDOUT)
         try:
             for _ in range(300):
@@ -223,7 +224,7 @@ def main():
 
             def trickling():
                 slow = []
-                for _ in range(45):  # under the 50-connection cap, leaving room for the chat
+                for _ in range(200):  # under the cap, leaving room for the chat
                     s = connect(port)
                     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: "
                               b"Bearer " + TOKEN.encode() + b"\r\nContent-Length: 100000\r\n\r\n{")
@@ -236,7 +237,7 @@ def main():
                     s.close()
                 return f"{answer}; the chat beside them took {took * 1e3:.0f} ms " \
                        f"({took / quiet_s:.1f}x quiet)"
-            row("45 clients trickling bodies + a normal chat", trickling)
+            row("200 clients trickling bodies + a normal chat", trickling)
 
             big = png(6000, 6000)
 
@@ -269,7 +270,7 @@ def main():
                   f"{sum(1 for l in lines if l.startswith('[2026-01-01'))}")
 
             def cap():
-                held = [connect(port) for _ in range(60)]
+                held = [connect(port) for _ in range(CAP + 10)]
                 time.sleep(0.5)
                 m = connect(9297)
                 m.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -287,8 +288,8 @@ def main():
                             if l.startswith("llava_http_connections ")]
                 for s in held:
                     s.close()
-                return f"{open_now[0] if open_now else '?'} with 60 opened (cap 50)"
-            row("60 idle connections", cap)
+                return f"{open_now[0] if open_now else '?'} with {CAP + 10} opened (cap {CAP})"
+            row(f"{CAP + 10} idle connections", cap)
         finally:
             server.terminate()
             server.wait(30)
