@@ -227,7 +227,7 @@ TEST_F(DeviceTest, BatchMatchesAlone) {
 }
 
 // The batched decode attention on the device (a CUDA kernel in a CUDA build) against the CPU
-// kernel on the same data: 70 sequences (two launches of at most 64), grouped query heads,
+// kernel on the same data: 70 sequences in one launch, grouped query heads,
 // caches that are views into larger buffers (head stride > length x hd), lengths from 1 to one
 // of 13,000 entries (52 KB of scores: past the 48 KB a block gets without asking), and the
 // probabilities of every other sequence.
@@ -262,6 +262,68 @@ TEST_F(DeviceTest, DecodeAttentionMatchesTheCpuKernel) {
     ASSERT_EQ(got_out.sizes(), want_out.sizes());
     // bf16 outputs are rounded once from fp32 sums taken in another order: a unit in the last
     // place of values of magnitude < 4 is 2^-6.
+    const double tol = type == at::kFloat ? 1e-5 : 1.6e-2;
+    EXPECT_LT(MaxAbsDiff(got_out, want_out), tol) << at::toString(type);
+    for (int64_t b = 0; b < batch; ++b) {
+      ASSERT_EQ(got_probs[b].defined(), want[b]) << b;
+      if (want[b]) {
+        EXPECT_LT(MaxAbsDiff(got_probs[b], want_probs[b]), 1e-5) << b;
+      }
+    }
+  }
+}
+
+// The same through page tables, as the model calls it on the KV pool: 70 sequences whose
+// 16-row pages lie scrambled in one pool on the device, the tables on the host (the call copies
+// them to the device), against the CPU kernel reading the same pool on the host.
+TEST_F(DeviceTest, PagedDecodeAttentionMatchesTheCpuKernel) {
+  const at::Device device(DeviceName());
+  for (const at::ScalarType type : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(11);
+    const int64_t batch = 70, heads = 8, kv_heads = 2, hd = 128, page = 16;
+    std::vector<int64_t> lengths;
+    int64_t pages = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      lengths.push_back(b == 5 ? 4000 : 1 + (b * 37) % 300);
+      pages += (lengths.back() + page - 1) / page;
+    }
+    const at::TensorOptions cpu = at::TensorOptions(type);
+    const at::Tensor pool_k = at::randn({pages, kv_heads, page, hd}, cpu);
+    const at::Tensor pool_v = at::randn({pages, kv_heads, page, hd}, cpu);
+    const at::Tensor pool_k_dev = pool_k.to(device), pool_v_dev = pool_v.to(device);
+    std::vector<std::vector<int32_t>> tables;
+    int64_t next = 0;
+    for (int64_t len : lengths) {
+      std::vector<int32_t> t;
+      for (int64_t s = 0; s < len; s += page) {
+        t.push_back(static_cast<int32_t>((next++ * 7919 + 13) % pages));  // a permutation
+      }
+      tables.push_back(std::move(t));
+    }
+    auto caches = [&](const at::Tensor& k, const at::Tensor& v) {
+      std::vector<DecodeKv> out(batch);
+      for (int64_t b = 0; b < batch; ++b) {
+        DecodeKv& c = out[b];
+        c.keys = k.data_ptr();
+        c.values = v.data_ptr();
+        c.pages = tables[b].data();
+        c.page_rows = page;
+        c.page_stride = kv_heads * page * hd;
+        c.key_head_stride = c.value_head_stride = page * hd;
+        c.key_row_stride = c.value_row_stride = hd;
+        c.len = lengths[b];
+      }
+      return out;
+    };
+    std::vector<bool> want;
+    for (int64_t b = 0; b < batch; ++b) want.push_back(b % 3 == 0);
+    const at::Tensor q = at::randn({batch, heads, hd}, cpu);
+    std::vector<at::Tensor> want_probs, got_probs;
+    const at::Tensor want_out =
+        DecodeAttention(q, caches(pool_k, pool_v), type, kv_heads, want, &want_probs);
+    const at::Tensor got_out = DecodeAttention(q.to(device), caches(pool_k_dev, pool_v_dev), type,
+                                               kv_heads, want, &got_probs);
+    ASSERT_EQ(got_out.device().type(), device.type());
     const double tol = type == at::kFloat ? 1e-5 : 1.6e-2;
     EXPECT_LT(MaxAbsDiff(got_out, want_out), tol) << at::toString(type);
     for (int64_t b = 0; b < batch; ++b) {

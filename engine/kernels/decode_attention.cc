@@ -474,61 +474,77 @@ bool DecodeAttentionRunsOn(const at::Device& device) {
 #ifdef LLAVA_WITH_CUDA
 namespace {
 
-// The CUDA kernel behind DecodeAttention's contract: the caches read in place, a launch per
-// kMaxSequences sequences, the output and the probabilities in the caches' dtype and in float.
-at::Tensor DecodeAttentionCuda(const at::Tensor& q, const std::vector<at::Tensor>& keys,
-                               const std::vector<at::Tensor>& values,
+// The CUDA kernel behind DecodeAttention's contract: every cache read in place through its page
+// table, one launch. The sequences' descriptors and page tables go to the device in one copy
+// from pinned memory (the caching host allocator keeps the block until the copy is done).
+at::Tensor DecodeAttentionCuda(const at::Tensor& q, const std::vector<DecodeKv>& caches,
+                               at::ScalarType kv_type, int64_t kv_heads,
                                const std::vector<bool>& want_probs,
                                std::vector<at::Tensor>* probs) {
   TORCH_CHECK(q.dim() == 3, "DecodeAttention: q must be [B, H, hd]");
   const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);
-  TORCH_CHECK(batch > 0 && static_cast<int64_t>(keys.size()) == batch &&
-                  static_cast<int64_t>(values.size()) == batch,
-              "DecodeAttention: one key and value tensor per sequence");
-  const at::ScalarType type = keys[0].scalar_type();
-  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16, "DecodeAttention: float or bf16");
-  const int64_t kv_heads = keys[0].size(0);
-  std::vector<cuda::DecodeSequence> table(batch);
+  TORCH_CHECK(batch > 0 && batch <= 65535 && static_cast<int64_t>(caches.size()) == batch,
+              "DecodeAttention: one cache per sequence, at most 65,535");
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16, "DecodeAttention: float or bf16");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "DecodeAttention: ", heads, " query heads on ",
+              kv_heads, " KV heads");
+  const size_t table_bytes = sizeof(cuda::DecodeSequence) * static_cast<size_t>(batch);
+  std::vector<int64_t> first(batch), num_pages(batch);
+  int64_t ids = 0, max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const DecodeKv& c = caches[b];
+    TORCH_CHECK(c.len > 0 && c.len <= INT32_MAX && c.page_rows > 0 && c.keys != nullptr &&
+                    c.values != nullptr && c.pages != nullptr && c.key_row_stride >= hd &&
+                    c.value_row_stride >= hd && c.key_row_stride <= INT32_MAX &&
+                    c.value_row_stride <= INT32_MAX,
+                "DecodeAttention: sequence ", b, " has no entries or a malformed page table");
+    first[b] = ids;
+    num_pages[b] = (c.len + c.page_rows - 1) / c.page_rows;
+    ids += num_pages[b];
+    max_len = std::max(max_len, c.len);
+  }
+  const int64_t bytes = static_cast<int64_t>(table_bytes) + ids * int64_t{sizeof(int32_t)};
+  at::Tensor device_table = at::empty({bytes}, q.options().dtype(at::kByte));
+  at::Tensor host_table =
+      at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  auto* table = reinterpret_cast<cuda::DecodeSequence*>(host_table.data_ptr<uint8_t>());
+  auto* host_ids = reinterpret_cast<int32_t*>(host_table.data_ptr<uint8_t>() + table_bytes);
+  const auto* device_ids =
+      reinterpret_cast<const int32_t*>(device_table.data_ptr<uint8_t>() + table_bytes);
   if (probs != nullptr) probs->assign(batch, at::Tensor());
   const at::TensorOptions f32 = q.options().dtype(at::kFloat);
   for (int64_t b = 0; b < batch; ++b) {
-    const at::Tensor& k = keys[b];
-    const at::Tensor& v = values[b];
-    TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(2) == hd &&
-                    k.size(0) == kv_heads && heads % kv_heads == 0 && k.stride(2) == 1 &&
-                    v.stride(2) == 1 && k.scalar_type() == type && v.scalar_type() == type &&
-                    k.device() == q.device() && v.device() == q.device() && k.size(1) > 0,
-                "DecodeAttention: sequence ", b, " has keys ", k.sizes(), " / values ", v.sizes(),
-                " that do not fit q ", q.sizes());
+    const DecodeKv& c = caches[b];
     cuda::DecodeSequence& s = table[b];
-    s.keys = k.data_ptr();
-    s.values = v.data_ptr();
+    s.keys = c.keys;
+    s.values = c.values;
+    s.pages = device_ids + first[b];
     s.probs = nullptr;
     if (probs != nullptr && want_probs[b]) {
-      (*probs)[b] = at::empty({heads, 1, k.size(1)}, f32);
+      (*probs)[b] = at::empty({heads, 1, c.len}, f32);
       s.probs = (*probs)[b].data_ptr<float>();
     }
-    s.key_head_stride = k.stride(0);
-    s.value_head_stride = v.stride(0);
-    s.key_row_stride = static_cast<int32_t>(k.stride(1));
-    s.value_row_stride = static_cast<int32_t>(v.stride(1));
-    s.len = static_cast<int32_t>(k.size(1));
+    s.key_head_stride = c.key_head_stride;
+    s.value_head_stride = c.value_head_stride;
+    s.page_stride = c.page_stride;
+    s.key_row_stride = static_cast<int32_t>(c.key_row_stride);
+    s.value_row_stride = static_cast<int32_t>(c.value_row_stride);
+    s.page_rows = static_cast<int32_t>(std::min<int64_t>(c.page_rows, INT32_MAX));
+    s.len = static_cast<int32_t>(c.len);
+    std::copy(c.pages, c.pages + num_pages[b], host_ids + first[b]);
   }
-  const at::Tensor qc = q.to(type).contiguous();
+  device_table.copy_(host_table, /*non_blocking=*/true);
+  const at::Tensor qc = q.to(kv_type).contiguous();
   at::Tensor out = at::empty({batch, heads, hd}, qc.options());
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  const int64_t elem = static_cast<int64_t>(qc.element_size());
-  for (int64_t b0 = 0; b0 < batch; b0 += cuda::kMaxSequences) {
-    const int n = static_cast<int>(std::min<int64_t>(cuda::kMaxSequences, batch - b0));
-    const int64_t offset = b0 * heads * hd * elem;  // bytes
-    TORCH_CHECK(cuda::DecodeAttention(
-                    static_cast<const char*>(qc.data_ptr()) + offset, table.data() + b0, n,
-                    static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(hd),
-                    scale, type == at::kBFloat16, static_cast<char*>(out.data_ptr()) + offset,
-                    q.device().index(), /*stream=*/nullptr),
-                "DecodeAttention: the CUDA kernel failed (a cache longer than the device's "
-                "shared memory holds, 4 bytes an entry, or a launch error)");
-  }
+  TORCH_CHECK(cuda::DecodeAttention(
+                  qc.data_ptr(),
+                  reinterpret_cast<const cuda::DecodeSequence*>(device_table.data_ptr<uint8_t>()),
+                  static_cast<int>(batch), static_cast<int>(max_len), static_cast<int>(heads),
+                  static_cast<int>(kv_heads), static_cast<int>(hd), scale, kv_type == at::kBFloat16,
+                  out.data_ptr(), q.device().index(), /*stream=*/nullptr),
+              "DecodeAttention: the CUDA kernel failed (a cache longer than the device's "
+              "shared memory holds, 4 bytes an entry, or a launch error)");
   return out.view({batch, heads * hd}).to(q.scalar_type());
 }
 
@@ -538,11 +554,7 @@ at::Tensor DecodeAttentionCuda(const at::Tensor& q, const std::vector<at::Tensor
 at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                            const std::vector<at::Tensor>& values,
                            const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs) {
-#ifdef LLAVA_WITH_CUDA
-  if (q.is_cuda()) return DecodeAttentionCuda(q, keys, values, want_probs, probs);
-#endif
-  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu() && q.size(2) <= kMaxHeadDim,
-              "DecodeAttention: q must be [B, H, hd <= 256] on CPU");
+  TORCH_CHECK(q.dim() == 3, "DecodeAttention: q must be [B, H, hd]");
   const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);
   TORCH_CHECK(batch > 0, "DecodeAttention: no sequences");
   TORCH_CHECK(
@@ -557,7 +569,7 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
                     heads % k.size(0) == 0 && k.stride(2) == 1 && v.stride(2) == 1 &&
                     k.scalar_type() == v.scalar_type() &&
                     k.scalar_type() == keys[0].scalar_type() && k.size(0) == keys[0].size(0) &&
-                    k.device().is_cpu() && k.size(1) > 0,
+                    k.device() == q.device() && v.device() == q.device() && k.size(1) > 0,
                 "DecodeAttention: sequence ", b, " has keys ", k.sizes(), " / values ", v.sizes(),
                 " that do not fit q ", q.sizes());
     DecodeKv& c = caches[b];
@@ -577,6 +589,9 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
 at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<DecodeKv>& caches,
                            at::ScalarType kv_type, int64_t kv_heads,
                            const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs) {
+#ifdef LLAVA_WITH_CUDA
+  if (q.is_cuda()) return DecodeAttentionCuda(q, caches, kv_type, kv_heads, want_probs, probs);
+#endif
   TORCH_CHECK(q.dim() == 3 && q.device().is_cpu() && q.size(2) <= kMaxHeadDim,
               "DecodeAttention: q must be [B, H, hd <= 256] on CPU");
   const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);

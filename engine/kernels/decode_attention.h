@@ -21,7 +21,7 @@ namespace llava {
 // precedes the new row). When `probs` is not null, (*probs)[b] receives the probabilities of
 // sequence b as a float [H, 1, L_b] tensor for each b with want_probs[b], and stays undefined
 // otherwise. CPU tensors, and CUDA tensors in a build with LLAVA_WITH_CUDA (one kernel
-// launch per 64 sequences, float or bf16 caches of the same dtype, engine/kernels/cuda/).
+// launch, float or bf16 caches of the same dtype, engine/kernels/cuda/).
 at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                            const std::vector<at::Tensor>& values,
                            const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs);
@@ -42,9 +42,11 @@ struct DecodeKv {
   int64_t len = 0;  // > 0
 };
 
-// The same attention over caches given as page tables (CPU only): every cache of `kv_type`
-// (float or bf16) with `kv_heads` KV heads, H % kv_heads == 0. The tensor form above is this
-// with one page per sequence.
+// The same attention over caches given as page tables: every cache of `kv_type` (float or
+// bf16) with `kv_heads` KV heads, H % kv_heads == 0, on q's device. The page tables are host
+// memory; for CUDA tensors (a CUDA build) they are copied to the device with the call, one copy
+// for all sequences, and one kernel launch reads every cache through them. The tensor form
+// above is this with one page per sequence.
 at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<DecodeKv>& caches,
                            at::ScalarType kv_type, int64_t kv_heads,
                            const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs);

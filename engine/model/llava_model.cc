@@ -639,46 +639,37 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
   std::vector<at::Tensor> attn(chunks.size());
   if (!decode_rows.empty()) {
     const size_t b = decode_rows.size();
-    std::vector<at::Tensor> keys, values, probs;
+    std::vector<at::Tensor> probs;
     std::vector<DecodeKv> stored;
     std::vector<bool> want(b);
     std::vector<int64_t> rows(b);
     bool any_want = false;
-    // On the CPU the kernel reads each cache where it is, through its page table; the CUDA
-    // kernel reads contiguous [Hkv, len, hd] tensors, copied out of the pool.
-    const bool in_place = q.is_cpu();
+    // The kernel (CPU or CUDA) reads each cache where it is, through its page table.
     // [Hkv, N, hd] views made once: each sequence's row is then a single narrow.
     const at::Tensor kt = k.transpose(0, 1), vt = v.transpose(0, 1);
     for (size_t i = 0; i < b; ++i) {
       SequenceKv* kv = chunks[decode_rows[i]].kv;
       rows[i] = offsets[decode_rows[i]];
       kv->Append(layer, kt.narrow(1, rows[i], 1), vt.narrow(1, rows[i], 1));
-      if (in_place) {
-        const KvStorage st = kv->Storage(layer);
-        DecodeKv d;
-        d.keys = st.keys;
-        d.values = st.values;
-        d.pages = st.pages;
-        d.page_rows = st.page_rows;
-        d.page_stride = st.page_stride;
-        d.key_head_stride = st.key_head_stride;
-        d.value_head_stride = st.value_head_stride;
-        d.key_row_stride = d.value_row_stride = st.row_stride;
-        d.len = st.len;
-        stored.push_back(d);
-      } else {
-        keys.push_back(kv->Keys(layer));
-        values.push_back(kv->Values(layer));
-      }
+      const KvStorage st = kv->Storage(layer);
+      DecodeKv d;
+      d.keys = st.keys;
+      d.values = st.values;
+      d.pages = st.pages;
+      d.page_rows = st.page_rows;
+      d.page_stride = st.page_stride;
+      d.key_head_stride = st.key_head_stride;
+      d.value_head_stride = st.value_head_stride;
+      d.key_row_stride = d.value_row_stride = st.row_stride;
+      d.len = st.len;
+      stored.push_back(d);
       want[i] = kv->WantsAttentionProbs(layer);
       any_want = any_want || want[i];
     }
     const bool all = b == chunks.size();  // then rows are 0..b-1 in order
     const at::Tensor qd = all ? q : q.index_select(0, at::tensor(rows, at::kLong).to(q.device()));
-    at::Tensor out = in_place
-                         ? DecodeAttention(qd, stored, k.scalar_type(), k.size(1), want,
-                                           any_want ? &probs : nullptr)
-                         : DecodeAttention(qd, keys, values, want, any_want ? &probs : nullptr);
+    at::Tensor out =
+        DecodeAttention(qd, stored, k.scalar_type(), k.size(1), want, any_want ? &probs : nullptr);
     for (size_t i = 0; i < b; ++i) {
       if (want[i]) chunks[decode_rows[i]].kv->ObserveAttention(layer, probs[i]);
     }

@@ -12,11 +12,6 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = kThreads / 32;
 
-struct Batch {
-  DecodeSequence seq[kMaxSequences];
-};
-static_assert(sizeof(Batch) <= 3900, "the table must fit a kernel's 4 KB of arguments");
-
 __device__ inline float Load(const float* p) { return *p; }
 __device__ inline float Load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ inline void Store(float* p, float v) { *p = v; }
@@ -43,15 +38,29 @@ __device__ inline float BlockReduce(float v, float* red) {
   return r;
 }
 
+// Where the run of rows holding entry j begins (elements from the cache's base; add the head's
+// offset), and how many entries from j on are in that run: a page's rest, or all of an unpaged
+// cache.
+__device__ inline int64_t RunStart(const DecodeSequence& s, int j, int64_t row_stride,
+                                   int* rows) {
+  if (s.pages == nullptr) {
+    *rows = s.len - j;
+    return static_cast<int64_t>(j) * row_stride;
+  }
+  const int page = j / s.page_rows, r = j - page * s.page_rows;
+  *rows = min(s.page_rows - r, s.len - j);
+  return static_cast<int64_t>(s.pages[page]) * s.page_stride + static_cast<int64_t>(r) * row_stride;
+}
+
 // One block per (query head, sequence). Shared memory: the scaled query [hd], the row's
 // scores then probabilities [len], and kWarps floats for the reductions.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    DecodeAttentionKernel(const T* __restrict__ q, const __grid_constant__ Batch batch, int heads,
-                          int group, int hd, float scale, T* __restrict__ out) {
+    DecodeAttentionKernel(const T* __restrict__ q, const DecodeSequence* __restrict__ table,
+                          int heads, int group, int hd, float scale, T* __restrict__ out) {
   extern __shared__ float smem[];
   const int h = blockIdx.x, b = blockIdx.y;
-  const DecodeSequence& s = batch.seq[b];
+  const DecodeSequence s = table[b];
   const int len = s.len;
   float* qs = smem;
   float* red = qs + hd;
@@ -65,7 +74,8 @@ __global__ void __launch_bounds__(kThreads)
   const int kvh = h / group;
   const T* k = static_cast<const T*>(s.keys) + kvh * s.key_head_stride;
   for (int j = warp; j < len; j += kWarps) {  // a warp per key row, its lanes across hd
-    const T* kj = k + static_cast<int64_t>(j) * s.key_row_stride;
+    int rows;
+    const T* kj = k + RunStart(s, j, s.key_row_stride, &rows);
     float acc = 0.f;
     for (int d = lane; d < hd; d += 32) acc += qs[d] * Load(kj + d);
     acc = WarpSum(acc);
@@ -92,8 +102,13 @@ __global__ void __launch_bounds__(kThreads)
   T* o = out + (static_cast<int64_t>(b) * heads + h) * hd;
   for (int d = threadIdx.x; d < hd; d += kThreads) {  // a thread per output column
     float acc = 0.f;
-    for (int j = 0; j < len; ++j)
-      acc += p[j] * Load(v + static_cast<int64_t>(j) * s.value_row_stride + d);
+    for (int j = 0; j < len;) {  // a run of rows (a page) at a time
+      int rows;
+      const T* vr = v + RunStart(s, j, s.value_row_stride, &rows) + d;
+      for (int r = 0; r < rows; ++r)
+        acc += p[j + r] * Load(vr + static_cast<int64_t>(r) * s.value_row_stride);
+      j += rows;
+    }
     Store(o + d, acc * inv);
   }
 }
@@ -113,14 +128,8 @@ int OptInSharedBytes(int device) {
 }
 
 template <typename T>
-bool Launch(const void* q, const DecodeSequence* sequences, int n, int heads, int kv_heads,
-            int head_dim, float scale, void* out, int device, cudaStream_t stream) {
-  Batch batch;
-  int max_len = 0;
-  for (int i = 0; i < n; ++i) {
-    batch.seq[i] = sequences[i];
-    if (sequences[i].len > max_len) max_len = sequences[i].len;
-  }
+bool Launch(const void* q, const DecodeSequence* sequences, int n, int max_len, int heads,
+            int kv_heads, int head_dim, float scale, void* out, int device, cudaStream_t stream) {
   const size_t bytes = sizeof(float) * (static_cast<size_t>(head_dim) + kWarps + max_len);
   if (bytes > static_cast<size_t>(OptInSharedBytes(device))) return false;
   if (bytes > 48 * 1024 &&
@@ -129,24 +138,25 @@ bool Launch(const void* q, const DecodeSequence* sequences, int n, int heads, in
     return false;
   }
   DecodeAttentionKernel<T><<<dim3(heads, n), kThreads, bytes, stream>>>(
-      static_cast<const T*>(q), batch, heads, heads / kv_heads, head_dim, scale,
+      static_cast<const T*>(q), sequences, heads, heads / kv_heads, head_dim, scale,
       static_cast<T*>(out));
   return cudaGetLastError() == cudaSuccess;
 }
 
 }  // namespace
 
-bool DecodeAttention(const void* q, const DecodeSequence* sequences, int n, int heads, int kv_heads,
-                     int head_dim, float scale, bool bf16, void* out, int device, void* stream) {
-  if (n <= 0 || n > kMaxSequences || kv_heads <= 0 || heads % kv_heads != 0) return false;
+bool DecodeAttention(const void* q, const DecodeSequence* sequences, int n, int max_len, int heads,
+                     int kv_heads, int head_dim, float scale, bool bf16, void* out, int device,
+                     void* stream) {
+  if (n <= 0 || n > 65535 || max_len <= 0 || kv_heads <= 0 || heads % kv_heads != 0) return false;
   int current = 0;
   if (cudaGetDevice(&current) != cudaSuccess) return false;
   if (current != device && cudaSetDevice(device) != cudaSuccess) return false;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const bool ok =
-      bf16 ? Launch<__nv_bfloat16>(q, sequences, n, heads, kv_heads, head_dim, scale, out, device,
-                                   st)
-           : Launch<float>(q, sequences, n, heads, kv_heads, head_dim, scale, out, device, st);
+  const bool ok = bf16 ? Launch<__nv_bfloat16>(q, sequences, n, max_len, heads, kv_heads, head_dim,
+                                               scale, out, device, st)
+                       : Launch<float>(q, sequences, n, max_len, heads, kv_heads, head_dim, scale,
+                                       out, device, st);
   if (current != device) cudaSetDevice(current);
   return ok;
 }
