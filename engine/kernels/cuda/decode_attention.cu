@@ -41,8 +41,7 @@ __device__ inline float BlockReduce(float v, float* red) {
 // Where the run of rows holding entry j begins (elements from the cache's base; add the head's
 // offset), and how many entries from j on are in that run: a page's rest, or all of an unpaged
 // cache.
-__device__ inline int64_t RunStart(const DecodeSequence& s, int j, int64_t row_stride,
-                                   int* rows) {
+__device__ inline int64_t RunStart(const DecodeSequence& s, int j, int64_t row_stride, int* rows) {
   if (s.pages == nullptr) {
     *rows = s.len - j;
     return static_cast<int64_t>(j) * row_stride;

@@ -1,8 +1,8 @@
 // Attention of one decode step for a batch of sequences on a CUDA device, each against its own
 // KV cache read in place (through its page table when it lives in the KV pool): one launch per
-// layer where ATen takes a dozen launches per sequence. Torch-free header; built only with -DLLAVA_WITH_CUDA=ON.
-// The ATen-facing wrapper with the CPU kernel's contract is DecodeAttention
-// (engine/kernels/decode_attention.h), which calls this for CUDA tensors.
+// layer where ATen takes a dozen launches per sequence. Torch-free header; built only with
+// -DLLAVA_WITH_CUDA=ON. The ATen-facing wrapper with the CPU kernel's contract is
+// DecodeAttention (engine/kernels/decode_attention.h), which calls this for CUDA tensors.
 #pragma once
 
 #include <cstdint>
@@ -10,8 +10,8 @@
 namespace llava::cuda {
 
 // One sequence's cache for one layer, read in place: entry j of KV head h starts at
-//   keys + pages[j / page_rows] * page_stride + h * key_head_stride + (j % page_rows) * key_row_stride
-// (values likewise) when `pages` is set (a page table in device memory: the KV pool,
+//   keys + pages[j / P] * page_stride + h * key_head_stride + (j % P) * key_row_stride
+// (P = page_rows; values likewise) when `pages` is set (a page table in device memory: the KV pool,
 // engine/kv/kv_pool.h), and at keys + h * key_head_stride + j * key_row_stride when it is null
 // (a contiguous [Hkv, len, hd] cache). Strides in elements, the last dimension contiguous.
 // `probs` receives the probabilities (float [H, len]) or is nullptr.
