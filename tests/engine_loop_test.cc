@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "engine/model/llava_model.h"
 #include "engine/serving/engine.h"
@@ -196,6 +197,52 @@ TEST_F(EngineLoopTest, EachRequestGetsItsOwnAnswerInSharedPasses) {
   }
   EXPECT_EQ(widest, 3u);
   EXPECT_EQ(engine.Snapshot().kv_bytes_used, 0);
+}
+
+// Without a loop thread the caller's RunUntilIdle runs the turns: observers are called on the
+// caller's thread, shared passes and answers are as with the thread, and it returns only when
+// every request has ended.
+TEST_F(EngineLoopTest, WithoutItsOwnThreadTheCallerRunsTheLoop) {
+  const std::vector<GenerationRequest> reqs = {Text("How many red circles are there?"),
+                                               Text("Describe the image.", 5)};
+  EngineOptions options;
+  options.own_thread = false;
+  Engine engine(*runner_, options);
+  struct OnThread : Collector {
+    std::thread::id seen;
+    void OnText(const std::string& delta) override {
+      seen = std::this_thread::get_id();
+      Collector::OnText(delta);
+    }
+  };
+  std::vector<std::shared_ptr<OnThread>> out;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    out.push_back(std::make_shared<OnThread>());
+    ASSERT_TRUE(engine.Submit(i + 1, reqs[i], out.back()).ok());
+  }
+  EXPECT_EQ(out[0]->finished(), 0);  // nothing runs until the caller drives the loop
+  engine.RunUntilIdle();
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_EQ(out[i]->finished(), 1) << "request " << i;
+    ASSERT_TRUE(out[i]->result_.has_value()) << out[i]->status_.ToString();
+    EXPECT_EQ(out[i]->text_, Expected(reqs[i])) << "request " << i;
+    EXPECT_EQ(out[i]->seen, std::this_thread::get_id());
+  }
+  size_t widest = 0;
+  for (const auto& pass : runner_->passes()) {
+    std::set<const SequenceKv*> caches;
+    for (const auto& c : pass) caches.insert(c.cache);
+    widest = std::max(widest, caches.size());
+  }
+  EXPECT_EQ(widest, 2u);
+  EXPECT_EQ(engine.Snapshot().kv_bytes_used, 0);
+  // A request submitted and never driven is cancelled by the shutdown, on this thread too.
+  auto late = std::make_shared<Collector>();
+  ASSERT_TRUE(engine.Submit(9, Text("What color is the star?"), late).ok());
+  engine.Shutdown(std::chrono::milliseconds(0));
+  ASSERT_EQ(late->finished(), 1);
+  ASSERT_TRUE(late->result_.has_value()) << late->status_.ToString();
+  EXPECT_EQ(late->result_->finish, FinishReason::kCancelled);
 }
 
 TEST_F(EngineLoopTest, ChunkedPrefillFeedsEachPromptInOrderWithinTheRowBudget) {

@@ -87,7 +87,7 @@ Engine::Engine(const ModelRunner& model, const EngineOptions& options)
   snapshot_.kv_budget_bytes = pool_->bytes();
   snapshot_.kv_pool_bytes = pool_->bytes();
   snapshot_.max_batch = options.max_batch;
-  thread_ = std::thread([this] { Loop(); });
+  if (options.own_thread) thread_ = std::thread([this] { Loop(); });
 }
 
 Engine::~Engine() { Shutdown(std::chrono::milliseconds(0)); }
@@ -200,7 +200,12 @@ void Engine::Shutdown(std::chrono::milliseconds grace) {
     }
     cv_.notify_one();
   }
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    thread_.join();
+  } else if (!options_.own_thread) {
+    while (Turn(/*wait=*/false)) {
+    }
+  }
 }
 
 EngineSnapshot Engine::Snapshot() const {
@@ -213,156 +218,177 @@ EngineSnapshot Engine::Snapshot() const {
 }
 
 void Engine::Loop() {
-  Clock::time_point last_trim;  // the epoch: the first pass trims
+  while (Turn(/*wait=*/true)) {
+  }
+}
+
+void Engine::RunUntilIdle() {
   while (true) {
-    std::vector<std::unique_ptr<Pending>> admitted, dropped;  // dropped: cancelled or expired
-    std::vector<uint64_t> resumed;                            // preempted, admitted again
-    std::vector<Status> dropped_status;
-    std::unordered_set<uint64_t> cancel_running;
-    bool drain_expired = false, exit_loop = false;
+    size_t waiting = 0;
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting = pending_.size();
+      if (waiting == 0 && running_.empty() && cancelled_.empty()) return;
+    }
+    if (!Turn(/*wait=*/false)) return;
+    // Nothing running and nothing admitted: no later turn would differ (nothing else feeds
+    // this engine), so stop rather than spin.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (running_.empty() && pending_.size() == waiting && cancelled_.empty()) return;
+  }
+}
+
+bool Engine::Turn(bool wait) {
+  std::vector<std::unique_ptr<Pending>> admitted, dropped;  // dropped: cancelled or expired
+  std::vector<uint64_t> resumed;                            // preempted, admitted again
+  std::vector<Status> dropped_status;
+  std::unordered_set<uint64_t> cancel_running;
+  bool drain_expired = false, exit_loop = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (wait) {
       cv_.wait_for(lock, std::chrono::milliseconds(running_.empty() ? 50 : 0), [&] {
         return stop_ || !cancelled_.empty() || scheduler_.waiting() > 0 || !running_.empty();
       });
-      const Clock::time_point now = Clock::now();
-      drain_expired = stop_ && drain_until_ && now >= *drain_until_;
-      // Waiting requests that were cancelled, expired, or are cut off by the shutdown.
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        Pending& p = *it->second;
-        Status why;
-        if (cancelled_.count(p.id) || drain_expired) {
-          why = Status(StatusCode::kCancelled, "cancelled");
-        } else if (p.deadline && now >= *p.deadline) {
-          why = DeadlineExceeded("the deadline passed while the request was queued");
-        } else {
-          ++it;
+    }
+    const Clock::time_point now = Clock::now();
+    drain_expired = stop_ && drain_until_ && now >= *drain_until_;
+    // Waiting requests that were cancelled, expired, or are cut off by the shutdown.
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      Pending& p = *it->second;
+      Status why;
+      if (cancelled_.count(p.id) || drain_expired) {
+        why = Status(StatusCode::kCancelled, "cancelled");
+      } else if (p.deadline && now >= *p.deadline) {
+        why = DeadlineExceeded("the deadline passed while the request was queued");
+      } else {
+        ++it;
+        continue;
+      }
+      cancelled_.erase(p.id);
+      scheduler_.Remove(p.id);
+      dropped_status.push_back(why);
+      dropped.push_back(std::move(it->second));
+      it = pending_.erase(it);
+    }
+    cancel_running.swap(cancelled_);
+    if (!drain_expired) {
+      // (The pool and the caches belong to the engine thread, which this is.)
+      int64_t growth = 0;  // what the running requests still grow by
+      for (const auto& seq : running_) {
+        if (!seq->cache || seq->state->done()) continue;
+        growth += std::max<int64_t>(0, seq->req->steady_pages - seq->cache->PagesHeld());
+      }
+      for (uint64_t id : scheduler_.Admit(pool_->pages().free_pages(), growth)) {
+        auto it = pending_.find(id);
+        if (it == pending_.end()) {  // a preempted request, re-admitted
+          resumed.push_back(id);
           continue;
         }
-        cancelled_.erase(p.id);
-        scheduler_.Remove(p.id);
-        dropped_status.push_back(why);
-        dropped.push_back(std::move(it->second));
-        it = pending_.erase(it);
-      }
-      cancel_running.swap(cancelled_);
-      if (!drain_expired) {
-        // (The pool and the caches belong to the engine thread, which this is.)
-        int64_t growth = 0;  // what the running requests still grow by
-        for (const auto& seq : running_) {
-          if (!seq->cache || seq->state->done()) continue;
-          growth += std::max<int64_t>(0, seq->req->steady_pages - seq->cache->PagesHeld());
-        }
-        for (uint64_t id : scheduler_.Admit(pool_->pages().free_pages(), growth)) {
-          auto it = pending_.find(id);
-          if (it == pending_.end()) {  // a preempted request, re-admitted
-            resumed.push_back(id);
-            continue;
-          }
-          admitted.push_back(std::move(it->second));
-          pending_.erase(it);
-          running_ids_.push_back(id);
-        }
-      }
-      exit_loop = stop_ && pending_.empty() && running_.empty() && admitted.empty();
-    }
-
-    for (size_t i = 0; i < dropped.size(); ++i) {
-      Pending& p = *dropped[i];
-      if (dropped_status[i].code() == StatusCode::kCancelled) {
-        GenerationResult r;
-        r.finish = FinishReason::kCancelled;
-        r.prompt_tokens = static_cast<int>(p.prepared.prompt.ids.size());
-        r.total_seconds = Seconds(p.submitted, Clock::now());
-        p.observer->OnFinished(r);
-      } else {
-        p.observer->OnFinished(dropped_status[i]);
+        admitted.push_back(std::move(it->second));
+        pending_.erase(it);
+        running_ids_.push_back(id);
       }
     }
-    if (exit_loop) break;
-
-    const Clock::time_point now = Clock::now();
-    for (auto& seq : running_) {
-      if (drain_expired || cancel_running.count(seq->req->id)) {
-        seq->state->Abort(FinishReason::kCancelled);
-      } else if (seq->req->deadline && now >= *seq->req->deadline) {
-        seq->state->Abort(FinishReason::kError);
-        seq->result.finish = FinishReason::kError;
-        Finish(seq.get(), DeadlineExceeded("the deadline passed during generation"));
-      }
-    }
-
-    if (!admitted.empty()) {
-      for (auto& p : admitted) {
-        auto seq = std::make_unique<Sequence>();
-        seq->admitted = Clock::now();
-        p->observer->OnAdmitted(Seconds(p->submitted, seq->admitted));
-        seq->cache = NewKvCache(pool_.get(), p->kv, p->prepared.segments);
-        seq->state = std::make_unique<DecodeState>(
-            model_.tokenizer(), p->sampling,
-            PromptTextIds(p->prepared.prompt, model_.config().image_token_index),
-            model_.config().text.eos_token_id);
-        seq->req = std::move(p);
-        running_.push_back(std::move(seq));
-      }
-    }
-    for (uint64_t id : resumed) {
-      for (auto& seq : running_) {
-        if (seq->req->id != id || !seq->preempted) continue;
-        seq->preempted = false;
-        seq->cache = NewKvCache(pool_.get(), seq->req->kv, seq->req->prepared.segments);
-      }
-    }
-    // New prompts ride in the same forward pass as the running requests' next token: the
-    // weights are read once per turn, and with a prompt-row budget (prefill_chunk) a long
-    // prompt is spread over several turns instead of stalling every stream for its whole length.
-    Step();
-    // A 7B-wide pass's transients, freed, stay on the heap in fragments (docs/BENCHMARKS.md,
-    // "The paged KV pool"); beyond the bound they go back to the system. At most every 100 ms:
-    // reading the heap's statistics costs ~0.6 ms, 9% of a default-model decode step if done
-    // after each, while a 7B-shaped pass, whose transients matter, takes longer than that.
-    // The activation allocator's bound restarts with the same period: blocks a heavy pass kept
-    // are unmapped once the passes after it need less (activation_memory.h).
-    if (Clock::now() - last_trim >= std::chrono::milliseconds(100)) {
-      if (free_heap_max_bytes_ > 0) TrimFreeHeap(free_heap_max_bytes_);
-      StartActivationWindow();
-      last_trim = Clock::now();
-    }
-
-    // Finished sequences: report and free their caches now. Answers that ran their course
-    // (stop or length; not cancelled or failed, and not while preempted) teach admission how
-    // long answers really are.
-    std::vector<uint64_t> ended;
-    std::vector<std::pair<uint64_t, int64_t>> answered;  // id, tokens generated
-    for (auto& seq : running_) {
-      if (seq->state->done()) {
-        if (seq->req->observer) Finish(seq.get(), GenerationResult());
-        const FinishReason why = seq->state->finish_reason();
-        if (!seq->preempted && (why == FinishReason::kStop || why == FinishReason::kLength)) {
-          answered.emplace_back(seq->req->id, static_cast<int64_t>(seq->state->tokens().size()));
-        } else {
-          ended.push_back(seq->req->id);
-        }
-        seq.reset();
-      }
-    }
-    running_.erase(std::remove(running_.begin(), running_.end(), nullptr), running_.end());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& [id, generated] : answered) {
-        scheduler_.Finish(id, generated);
-        ended.push_back(id);
-      }
-      for (uint64_t id : ended) {
-        scheduler_.Remove(id);  // (a no-op for those Finish took)
-        running_ids_.erase(std::remove(running_ids_.begin(), running_ids_.end(), id),
-                           running_ids_.end());
-      }
-      UpdateSnapshotLocked();
-    }
-    for (auto& [observer, result] : completions_) observer->OnFinished(result);
-    completions_.clear();
+    exit_loop = stop_ && pending_.empty() && running_.empty() && admitted.empty();
   }
+
+  for (size_t i = 0; i < dropped.size(); ++i) {
+    Pending& p = *dropped[i];
+    if (dropped_status[i].code() == StatusCode::kCancelled) {
+      GenerationResult r;
+      r.finish = FinishReason::kCancelled;
+      r.prompt_tokens = static_cast<int>(p.prepared.prompt.ids.size());
+      r.total_seconds = Seconds(p.submitted, Clock::now());
+      p.observer->OnFinished(r);
+    } else {
+      p.observer->OnFinished(dropped_status[i]);
+    }
+  }
+  if (exit_loop) return false;
+
+  const Clock::time_point now = Clock::now();
+  for (auto& seq : running_) {
+    if (drain_expired || cancel_running.count(seq->req->id)) {
+      seq->state->Abort(FinishReason::kCancelled);
+    } else if (seq->req->deadline && now >= *seq->req->deadline) {
+      seq->state->Abort(FinishReason::kError);
+      seq->result.finish = FinishReason::kError;
+      Finish(seq.get(), DeadlineExceeded("the deadline passed during generation"));
+    }
+  }
+
+  if (!admitted.empty()) {
+    for (auto& p : admitted) {
+      auto seq = std::make_unique<Sequence>();
+      seq->admitted = Clock::now();
+      p->observer->OnAdmitted(Seconds(p->submitted, seq->admitted));
+      seq->cache = NewKvCache(pool_.get(), p->kv, p->prepared.segments);
+      seq->state = std::make_unique<DecodeState>(
+          model_.tokenizer(), p->sampling,
+          PromptTextIds(p->prepared.prompt, model_.config().image_token_index),
+          model_.config().text.eos_token_id);
+      seq->req = std::move(p);
+      running_.push_back(std::move(seq));
+    }
+  }
+  for (uint64_t id : resumed) {
+    for (auto& seq : running_) {
+      if (seq->req->id != id || !seq->preempted) continue;
+      seq->preempted = false;
+      seq->cache = NewKvCache(pool_.get(), seq->req->kv, seq->req->prepared.segments);
+    }
+  }
+  // New prompts ride in the same forward pass as the running requests' next token: the
+  // weights are read once per turn, and with a prompt-row budget (prefill_chunk) a long
+  // prompt is spread over several turns instead of stalling every stream for its whole length.
+  Step();
+  // A 7B-wide pass's transients, freed, stay on the heap in fragments (docs/BENCHMARKS.md,
+  // "The paged KV pool"); beyond the bound they go back to the system. At most every 100 ms:
+  // reading the heap's statistics costs ~0.6 ms, 9% of a default-model decode step if done
+  // after each, while a 7B-shaped pass, whose transients matter, takes longer than that.
+  // The activation allocator's bound restarts with the same period: blocks a heavy pass kept
+  // are unmapped once the passes after it need less (activation_memory.h).
+  if (Clock::now() - last_trim_ >= std::chrono::milliseconds(100)) {
+    if (free_heap_max_bytes_ > 0) TrimFreeHeap(free_heap_max_bytes_);
+    StartActivationWindow();
+    last_trim_ = Clock::now();
+  }
+
+  // Finished sequences: report and free their caches now. Answers that ran their course
+  // (stop or length; not cancelled or failed, and not while preempted) teach admission how
+  // long answers really are.
+  std::vector<uint64_t> ended;
+  std::vector<std::pair<uint64_t, int64_t>> answered;  // id, tokens generated
+  for (auto& seq : running_) {
+    if (seq->state->done()) {
+      if (seq->req->observer) Finish(seq.get(), GenerationResult());
+      const FinishReason why = seq->state->finish_reason();
+      if (!seq->preempted && (why == FinishReason::kStop || why == FinishReason::kLength)) {
+        answered.emplace_back(seq->req->id, static_cast<int64_t>(seq->state->tokens().size()));
+      } else {
+        ended.push_back(seq->req->id);
+      }
+      seq.reset();
+    }
+  }
+  running_.erase(std::remove(running_.begin(), running_.end(), nullptr), running_.end());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, generated] : answered) {
+      scheduler_.Finish(id, generated);
+      ended.push_back(id);
+    }
+    for (uint64_t id : ended) {
+      scheduler_.Remove(id);  // (a no-op for those Finish took)
+      running_ids_.erase(std::remove(running_ids_.begin(), running_ids_.end(), id),
+                         running_ids_.end());
+    }
+    UpdateSnapshotLocked();
+  }
+  for (auto& [observer, result] : completions_) observer->OnFinished(result);
+  completions_.clear();
+  return true;
 }
 
 void Engine::Step() {

@@ -10,7 +10,8 @@
 //
 // The model is reached through ModelRunner (model_runner.h): LoadedModel in service, a scripted
 // runner in tests/engine_loop_test.cc. Network threads only call Submit/Cancel and read
-// snapshots; everything else happens on the engine thread. Requests are validated and their images
+// snapshots; everything else happens on the engine thread (or, with own_thread false, on the
+// thread that calls RunUntilIdle). Requests are validated and their images
 // decoded on the submitting thread, so bad input never reaches the loop.
 #pragma once
 
@@ -61,6 +62,10 @@ struct EngineOptions {
   // back to the system after the pass. -1: 1% of kv_cache_bytes, at least 4 MiB (the large
   // tensors live in the activation allocator's blocks, activation_memory.h); 0: never.
   int64_t free_heap_max_bytes = -1;
+  // false: no loop thread; the caller runs the loop on its own thread with RunUntilIdle (the
+  // one-shot Generator). A thread made per request costs more than its pass on a small model:
+  // libtorch rebuilds its thread pools for each new thread that runs a parallel op.
+  bool own_thread = true;
 };
 
 // Receives one request's output, on the engine thread: it must not block.
@@ -143,6 +148,11 @@ class Engine final : public EngineApi {
 
   EngineSnapshot Snapshot() const override;  // thread-safe
 
+  // Without a loop thread (EngineOptions::own_thread false): runs loop turns on the calling
+  // thread until no request is waiting or running, or those waiting cannot be admitted.
+  // Observers are called on this thread.
+  void RunUntilIdle();
+
  private:
   struct Pending;
   struct Sequence;
@@ -152,6 +162,9 @@ class Engine final : public EngineApi {
                  std::optional<std::chrono::steady_clock::time_point> deadline,
                  std::chrono::steady_clock::time_point submitted);
   void Loop();
+  // One loop turn (see the top of this file); `wait`: block up to 50 ms for work when idle.
+  // Returns false once the engine is stopped and empty.
+  bool Turn(bool wait);
   // One forward pass: the next prompt rows of sequences still prefilling (within the
   // prefill_chunk budget) and one decode token of every other running sequence, linear layers
   // over all rows at once.
@@ -187,6 +200,8 @@ class Engine final : public EngineApi {
   int64_t preemptions_ = 0;  // guarded by mu_
   // Ends recorded this loop turn, delivered after caches are freed. Engine thread only.
   std::vector<std::pair<std::shared_ptr<RequestObserver>, StatusOr<GenerationResult>>> completions_;
+  std::chrono::steady_clock::time_point
+      last_trim_;  // the epoch: the first pass trims. Engine thread only.
   std::thread thread_;
 };
 

@@ -2,8 +2,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
-#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -170,8 +168,8 @@ StatusOr<AnswerScore> Generator::ScoreAnswer(const GenerationRequest& req,
 
 namespace {
 
-// The observer of Generate's one request: text goes to the caller's callback on the engine
-// thread (a false return cancels the request), the end to the waiting caller.
+// The observer of Generate's one request, called on the caller's thread while RunUntilIdle
+// runs the loop: text goes to the caller's callback (a false return cancels the request).
 class OneShotObserver final : public RequestObserver {
  public:
   OneShotObserver(const TextCallback& on_text, Engine* engine, uint64_t id)
@@ -179,14 +177,10 @@ class OneShotObserver final : public RequestObserver {
   void OnText(const std::string& delta) override {
     if (on_text_ && !on_text_(delta)) engine_->Cancel(id_);
   }
-  void OnFinished(const StatusOr<GenerationResult>& result) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    result_ = result;
-    done_.notify_all();
-  }
-  StatusOr<GenerationResult> Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [&] { return result_.has_value(); });
+  void OnFinished(const StatusOr<GenerationResult>& result) override { result_ = result; }
+  // After RunUntilIdle: the loop has ended the request.
+  StatusOr<GenerationResult> Result() const {
+    if (!result_) return Internal("the engine went idle before the request ended");
     return *result_;
   }
 
@@ -194,8 +188,6 @@ class OneShotObserver final : public RequestObserver {
   const TextCallback& on_text_;
   Engine* engine_;
   const uint64_t id_;
-  std::mutex mu_;
-  std::condition_variable done_;
   std::optional<StatusOr<GenerationResult>> result_;
 };
 
@@ -215,6 +207,10 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
   options.max_batch = 1;
   options.max_queue = 1;
   options.prefill_chunk = 0;
+  options.own_thread = false;  // the loop runs here, on the caller's thread
+  // The caller's process owns its heap: trimming it after each pass would hand back pages that
+  // the next pass (or the caller's own, e.g. llava-eval's scoring) faults in again.
+  options.free_heap_max_bytes = 0;
   options.kv_cache_bytes = RequestPoolBytes(m_, prepared, req.kv_cache, req.sampling.max_tokens);
   std::unique_ptr<Engine> engine;
   try {  // (the pool is allocated here)
@@ -225,7 +221,8 @@ StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& req,
   constexpr uint64_t kId = 1;
   auto observer = std::make_shared<OneShotObserver>(on_text, engine.get(), kId);
   LLAVA_RETURN_IF_ERROR(engine->Submit(kId, req, std::move(prepared), observer));
-  LLAVA_ASSIGN_OR_RETURN(GenerationResult result, observer->Wait());
+  engine->RunUntilIdle();
+  LLAVA_ASSIGN_OR_RETURN(GenerationResult result, observer->Result());
   result.total_seconds = SecondsSince(t0);
   return result;
 }

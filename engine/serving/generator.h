@@ -75,7 +75,7 @@ class Generator {
 
   // Runs the whole request and returns when it has ended: the serving engine (engine.h) at
   // batch 1 with a KV pool sized for this request, so the tools decode exactly as the server
-  // does. `on_text` is called on the engine's thread. Errors name the request field at fault;
+  // does. `on_text` is called on the calling thread. Errors name the request field at fault;
   // model failures (c10::Error) come back as INTERNAL, never as exceptions.
   StatusOr<GenerationResult> Generate(const GenerationRequest& request,
                                       const TextCallback& on_text);
