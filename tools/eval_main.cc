@@ -7,7 +7,8 @@
 //   ref ROUGE-L  F1 against the dataset's reference answer, on samples without a short answer
 //            (detailed descriptions);
 //   accuracy exact match against the short answer, where the sample has one;
-//   KV bytes kept / full-equivalent, prefill time, decode time per token.
+//   KV bytes kept / full-equivalent, prefill time, decode time per token;
+//   paired bootstrap intervals of --compare minus every other policy at the same budget.
 // Writes a table to stdout, results.csv, results.json and (with gnuplot) two PNG plots.
 //
 // Dataset lines: {"image": "a.png" | "images": [..], "prompt": "question" |
@@ -126,6 +127,7 @@ struct Cell {  // one policy x budget, accumulated over samples
   // kind -> {score sum, items}: exact matches for short answers, ROUGE-L vs the reference
   // for long ones
   std::map<std::string, std::pair<double, int>> by_kind;
+  std::vector<llava::ItemScore> items;  // per sample, in dataset order (the paired intervals)
 };
 
 void WritePlots(const std::string& out, const std::map<std::pair<std::string, double>, Cell>& cells,
@@ -205,6 +207,53 @@ void WriteKinds(const std::string& out, const std::map<std::pair<std::string, do
   }
 }
 
+// Paired bootstrap intervals of `compare` minus every other policy at the same budget (Full:
+// against its budget-1.0 cell), over the same items: a table on stdout and intervals.csv
+// (policy, budget, against, measure, diff, lo, hi).
+void WriteIntervals(const std::string& out,
+                    const std::map<std::pair<std::string, double>, Cell>& cells,
+                    const std::vector<std::pair<std::string, double>>& order,
+                    const std::string& compare, int resamples) {
+  using llava::QualityMeasure;
+  const std::pair<QualityMeasure, const char*> measures[] = {
+      {QualityMeasure::kAccuracy, "accuracy"},
+      {QualityMeasure::kReferencePpl, "ppl"},
+      {QualityMeasure::kRougeRef, "rouge_l_ref"}};
+  std::ofstream csv(out + "/intervals.csv");
+  csv << "policy,budget,against,against_budget,measure,diff,lo,hi\n";
+  bool header = false;
+  for (const auto& key : order) {
+    if (key.first != compare) continue;
+    for (const auto& other : order) {
+      if (other.first == compare) continue;
+      if (other.second != key.second && !(other.first == "full" && other.second == 1.0)) continue;
+      const Cell& a = cells.at(key);
+      const Cell& b = cells.at(other);
+      if (!header) {
+        std::printf(
+            "\n%s minus each policy, same items, paired bootstrap 95%% (%d draws; * the "
+            "interval excludes 0):\n%-14s %6s  %-28s %-28s %-28s\n",
+            compare.c_str(), resamples, "against", "budget", "accuracy", "ppl (lower better)",
+            "rouge_l_ref");
+        header = true;
+      }
+      std::printf("%-14s %6.2f ", other.first.c_str(), key.second);
+      for (const auto& [m, name] : measures) {
+        const llava::PairedInterval d = llava::PairedBootstrap(a.items, b.items, m, resamples);
+        char cell[64];
+        std::snprintf(cell, sizeof(cell), "%+.3f [%+.3f, %+.3f]%s", d.diff, d.lo, d.hi,
+                      d.Excludes0() ? "*" : " ");
+        std::printf(" %-28s", std::isnan(d.diff) ? "-" : cell);
+        char line[256];
+        std::snprintf(line, sizeof(line), "%s,%.2f,%s,%.2f,%s,%.4f,%.4f,%.4f\n", compare.c_str(),
+                      key.second, other.first.c_str(), other.second, name, d.diff, d.lo, d.hi);
+        if (!std::isnan(d.diff)) csv << line;
+      }
+      std::printf("\n");
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"Quality and memory of KV-cache policies (PPL, ROUGE-L, accuracy, bytes)"};
   std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, dataset, out = "eval-out", dtype = "auto";
@@ -226,6 +275,15 @@ int main(int argc, char** argv) {
                  "Elastic fixed-point distance (0: each policy's own, 25 in both presets)");
   app.add_option("--limit", limit, "use only the first N samples (0 = all)");
   app.add_option("--out", out, "output folder")->capture_default_str();
+  std::string compare = "elastic";
+  app.add_option("--compare", compare,
+                 "the policy every other one is compared with at each budget: paired bootstrap "
+                 "95% intervals of the difference (intervals.csv; none if it is not swept)")
+      ->capture_default_str();
+  int resamples = 1000;
+  app.add_option("--resamples", resamples, "bootstrap draws of the intervals")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
   std::string items_path;
   app.add_option(
       "--items", items_path,
@@ -320,6 +378,7 @@ int main(int argc, char** argv) {
           ++c.long_answers;
           c.rouge_ref += item;
         }
+        c.items.push_back({!s.short_answer.empty(), item, score->nll_sum, score->tokens});
         if (!s.kind.empty()) {
           c.by_kind[s.kind].first += item;
           ++c.by_kind[s.kind].second;
@@ -388,6 +447,7 @@ int main(int argc, char** argv) {
   }
   std::ofstream(out + "/results.json") << json.dump(2) << "\n";
   WriteKinds(out, cells, order);
+  WriteIntervals(out, cells, order, compare, resamples);
   WritePlots(out, cells, policies, budgets);
   std::printf("wrote %s/results.csv, results.json and plots\n", out.c_str());
   return 0;

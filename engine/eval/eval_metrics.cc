@@ -1,6 +1,11 @@
 #include "engine/eval/eval_metrics.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <stdexcept>
 
 namespace llava {
 namespace {
@@ -53,6 +58,66 @@ bool ExactMatch(const std::string& answer, const std::string& short_answer) {
   const std::string a = Joined(RougeTokens(answer)), s = Joined(RougeTokens(short_answer));
   if (s.empty()) return false;
   return a == s || (a.size() > s.size() && a.compare(0, s.size(), s) == 0 && a[s.size()] == ' ');
+}
+
+double Measure(const std::vector<ItemScore>& items, const std::vector<int>& indices,
+               QualityMeasure measure) {
+  double sum = 0;
+  int64_t n = 0;
+  for (int i : indices) {
+    const ItemScore& it = items[i];
+    switch (measure) {
+      case QualityMeasure::kAccuracy:
+        if (it.has_short) sum += it.score, ++n;
+        break;
+      case QualityMeasure::kRougeRef:
+        if (!it.has_short) sum += it.score, ++n;
+        break;
+      case QualityMeasure::kReferencePpl:
+        sum += it.nll, n += it.tokens;
+        break;
+    }
+  }
+  if (n == 0) return std::numeric_limits<double>::quiet_NaN();
+  return measure == QualityMeasure::kReferencePpl ? std::exp(sum / n) : sum / n;
+}
+
+PairedInterval PairedBootstrap(const std::vector<ItemScore>& a, const std::vector<ItemScore>& b,
+                               QualityMeasure measure, int resamples, double level, uint64_t seed) {
+  if (a.size() != b.size()) throw std::invalid_argument("PairedBootstrap: unpaired item lists");
+  const int n = static_cast<int>(a.size());
+  std::vector<int> all(n);
+  std::iota(all.begin(), all.end(), 0);
+  PairedInterval out;
+  out.diff = Measure(a, all, measure) - Measure(b, all, measure);
+  if (n == 0 || std::isnan(out.diff)) {
+    out.lo = out.hi = out.diff;
+    return out;
+  }
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> pick(0, n - 1);
+  std::vector<double> diffs;
+  diffs.reserve(resamples);
+  std::vector<int> draw(n);
+  for (int r = 0; r < resamples; ++r) {
+    for (int& i : draw) i = pick(rng);
+    const double d = Measure(a, draw, measure) - Measure(b, draw, measure);
+    if (!std::isnan(d)) diffs.push_back(d);
+  }
+  if (diffs.empty()) {
+    out.lo = out.hi = out.diff;
+    return out;
+  }
+  std::sort(diffs.begin(), diffs.end());
+  auto quantile = [&](double q) {  // linear interpolation between order statistics
+    const double pos = q * (diffs.size() - 1);
+    const size_t k = static_cast<size_t>(pos);
+    const double f = pos - k;
+    return k + 1 < diffs.size() ? diffs[k] * (1 - f) + diffs[k + 1] * f : diffs[k];
+  };
+  out.lo = quantile((1 - level) / 2);
+  out.hi = quantile((1 + level) / 2);
+  return out;
 }
 
 }  // namespace llava
