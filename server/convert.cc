@@ -218,6 +218,10 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
   if (e.has_weighted_merge()) cp.elastic.weighted_merge = e.weighted_merge();
   if (e.has_merge_keys()) cp.elastic.merge_keys = e.merge_keys();
   if (e.has_evict_age_exponent()) cp.elastic.evict_age_exponent = e.evict_age_exponent();
+  if (e.has_evict_answer_first()) cp.elastic.evict_answer_first = e.evict_answer_first();
+  if (e.has_decode_merge()) cp.elastic.decode_merge = e.decode_merge();
+  if (kv.snapkv().has_window()) cp.snapkv.window = kv.snapkv().window();
+  if (kv.snapkv().has_kernel()) cp.snapkv.kernel = kv.snapkv().kernel();
   switch (e.importance()) {
     case v1::IMPORTANCE_MODE_UNSPECIFIED:
       break;

@@ -355,6 +355,47 @@ TEST(ElasticVictim, ScoredEvictionWeighsAgeFromArrival) {
   }
 }
 
+// evict_answer_first, by hand: the prompt keeps e0 (the pinned sink) and e1 (an image entry);
+// three decode steps append e2, e3, e4 and give e1 0.1 x 3 = 0.3, e2 0.5 x 3 = 1.5, e3 0.3 + 0.3
+// = 0.6, e4 0.2 (age exponent 0: plain sums). Every unpinned entry competing, e1 goes; with N = 1
+// the answer's e3 (e4 is its newest); with N = 2 e2 (e3 and e4 spared); with N = 3 no answer
+// entry is left to take and e1 goes after all. When e1 is prompt text, not image, it competes
+// with the answer's entries even with N = 1.
+TEST(ElasticVictim, AnswerFirstTakesTheAnswersEntriesBeforeTheImages) {
+  for (bool image : {true, false}) {
+    for (int n : {0, 1, 2, 3}) {
+      CacheParams p;
+      p.budget = 0.5;
+      p.sink_tokens = 1;
+      p.elastic = ElasticPreset(ElasticVariant::kPaper);
+      p.elastic.eviction = DecodeEviction::kScored;
+      p.elastic.evict_answer_first = n;
+      PromptSegments segments;
+      if (image) segments.images = {{1, 2}};
+      std::unique_ptr<KvPolicy> policy = NewElasticPolicy(p, segments, 1);
+      ASSERT_EQ(policy->PlanPrompt(0, 2).kept, (std::vector<int64_t>{0, 1}));
+      const std::vector<std::vector<float>> steps = {
+          {0.f, 0.1f, 0.5f}, {0.f, 0.1f, 0.5f, 0.3f}, {0.f, 0.1f, 0.5f, 0.3f, 0.2f}};
+      for (const std::vector<float>& col : steps) {
+        policy->OnAppend(0, 1);
+        policy->AddScores(0, -1, col.data(), static_cast<int64_t>(col.size()));
+      }
+      const int64_t expected[] = {1, 3, 2, 1};
+      const int64_t victim = policy->Victim(0, 5, 3);
+      EXPECT_EQ(victim, image ? expected[n] : 1) << "N = " << n << ", image " << image;
+      if (image && n == 1) {  // then e2, now the only answer entry but the newest
+        policy->OnEvict(0, victim);
+        EXPECT_EQ(policy->Victim(0, 4, 3), 2);
+        policy->OnEvict(0, 2);
+        EXPECT_EQ(policy->Victim(0, 3, 2), 1);  // e0, e1, e4: only the image's e1 is left
+      }
+    }
+  }
+  CacheParams bad;
+  bad.elastic.evict_answer_first = -1;
+  EXPECT_FALSE(ValidateCacheParams(bad).ok());
+}
+
 TEST(ParseCacheSpec, PresetsAndOptions) {
   auto p = ParseCacheSpec("elastic");
   ASSERT_TRUE(p.ok());
@@ -364,6 +405,16 @@ TEST(ParseCacheSpec, PresetsAndOptions) {
   EXPECT_FALSE(p->elastic.merge_keys);
   EXPECT_EQ(p->elastic.eviction, DecodeEviction::kScored);
   EXPECT_FLOAT_EQ(p->elastic.evict_age_exponent, 0.1f);
+  EXPECT_EQ(p->elastic.evict_answer_first, 4);
+  EXPECT_TRUE(p->elastic.decode_merge);
+  p = ParseCacheSpec("elastic+answer_first=0+decode_merge=0");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->elastic.evict_answer_first, 0);
+  EXPECT_FALSE(p->elastic.decode_merge);
+  p = ParseCacheSpec("elastic+paper");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->elastic.evict_answer_first, 0);  // the paper drops what it evicts
+  EXPECT_FALSE(p->elastic.decode_merge);
   p = ParseCacheSpec("elastic+age_exp=0.5");
   ASSERT_TRUE(p.ok());
   EXPECT_FLOAT_EQ(p->elastic.evict_age_exponent, 0.5f);

@@ -228,6 +228,31 @@ TEST_F(FakeEngineServiceTest, UnaryCollectsTheTextAndConvertsTheRequest) {
   EXPECT_TRUE(g.kv_cache.elastic.protect_instruction);
 }
 
+// SnapKV's window and kernel: the paper's unless set; out of range names the field.
+TEST_F(FakeEngineServiceTest, SnapKvOptionsReachTheEngine) {
+  v1::ChatRequest req = Request();
+  auto* kv = req.mutable_kv_cache();
+  kv->set_policy(v1::CACHE_POLICY_SNAPKV);
+  v1::ChatResponse resp;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub_->Chat(&ctx, req, &resp).ok());
+  EXPECT_EQ(engine_.LastRequest().kv_cache.policy, CachePolicy::kSnapKV);
+  EXPECT_EQ(engine_.LastRequest().kv_cache.snapkv.window, 32);
+  EXPECT_EQ(engine_.LastRequest().kv_cache.snapkv.kernel, 7);
+  kv->mutable_snapkv()->set_window(64);
+  kv->mutable_snapkv()->set_kernel(5);
+  grpc::ClientContext set_ctx;
+  ASSERT_TRUE(stub_->Chat(&set_ctx, req, &resp).ok());
+  EXPECT_EQ(engine_.LastRequest().kv_cache.snapkv.window, 64);
+  EXPECT_EQ(engine_.LastRequest().kv_cache.snapkv.kernel, 5);
+  kv->mutable_snapkv()->set_kernel(4);
+  grpc::ClientContext bad_ctx;
+  const grpc::Status bad = stub_->Chat(&bad_ctx, req, &resp);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.error_message().find("kv_cache.snapkv.kernel"), std::string::npos)
+      << bad.error_message();
+}
+
 // The Elastic options: a preset, then the fields set on top of it.
 TEST_F(FakeEngineServiceTest, ElasticOptionsApplyOverTheVariant) {
   v1::ChatRequest req = Request();
@@ -261,6 +286,22 @@ TEST_F(FakeEngineServiceTest, ElasticOptionsApplyOverTheVariant) {
   EXPECT_NE(bad_age.error_message().find("kv_cache.elastic.evict_age_exponent"), std::string::npos)
       << bad_age.error_message();
   kv->mutable_elastic()->clear_evict_age_exponent();
+
+  kv->mutable_elastic()->set_evict_answer_first(4);
+  kv->mutable_elastic()->set_decode_merge(true);
+  grpc::ClientContext answer_ctx;
+  ASSERT_TRUE(stub_->Chat(&answer_ctx, req, &resp).ok());
+  EXPECT_EQ(engine_.LastRequest().kv_cache.elastic.evict_answer_first, 4);
+  EXPECT_TRUE(engine_.LastRequest().kv_cache.elastic.decode_merge);
+  kv->mutable_elastic()->set_evict_answer_first(-2);
+  grpc::ClientContext bad_answer_ctx;
+  grpc::Status bad_answer = stub_->Chat(&bad_answer_ctx, req, &resp);
+  EXPECT_EQ(bad_answer.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad_answer.error_message().find("kv_cache.elastic.evict_answer_first"),
+            std::string::npos)
+      << bad_answer.error_message();
+  kv->mutable_elastic()->clear_evict_answer_first();
+  kv->mutable_elastic()->clear_decode_merge();
 
   kv->mutable_elastic()->set_merge_scope(static_cast<v1::MergeScope>(7));
   grpc::ClientContext bad_ctx;

@@ -37,6 +37,10 @@ ElasticParams ElasticPreset(ElasticVariant v) {
   p.merge_keys = false;
   p.eviction = DecodeEviction::kScored;
   p.evict_age_exponent = 0.1f;
+  // Long answers: the answer's own entries (but its newest 4) go before the image's anchors,
+  // and a victim's value joins its more attended neighbour (docs/POLICIES.md, "Long answers").
+  p.evict_answer_first = 4;
+  p.decode_merge = true;
   return p;
 }
 
@@ -190,6 +194,10 @@ StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& b
       }
     } else if (key == "merge") {
       LLAVA_ASSIGN_OR_RETURN(e.merge, flag(key, v));
+    } else if (key == "answer_first") {
+      LLAVA_ASSIGN_OR_RETURN(e.evict_answer_first, number(key, v));
+    } else if (key == "decode_merge") {
+      LLAVA_ASSIGN_OR_RETURN(e.decode_merge, flag(key, v));
     } else if (key == "recent") {
       LLAVA_ASSIGN_OR_RETURN(e.recent_distance, number(key, v));
     } else if (key == "window") {

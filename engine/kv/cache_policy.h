@@ -64,6 +64,14 @@ struct ElasticParams {
   // the cache)^evict_age_exponent: 0 is the plain sum, under which what was just written has
   // had the least time to collect attention and goes first; 1 is the mean per step.
   float evict_age_exponent = 0.f;
+  // kScored, N > 0: a decode step's victim is the lowest-ranked of the unpinned entries that are
+  // neither the image's (its kept anchors) nor the answer's newest N; the image's go only when
+  // no such entry is left. 0: every unpinned entry competes.
+  int evict_answer_first = 0;
+  // kScored: a victim's value is averaged into its neighbour (by position, not pinned) that has
+  // received more decode attention, weighted by both entries' attention, instead of dropped; the
+  // neighbour keeps its key and adds the victim's attention to its own.
+  bool decode_merge = false;
   // An ablation (llava-eval only): false keeps the same anchors and drops the other entries.
   bool merge = true;
 };

@@ -24,13 +24,14 @@ void ExtendAgePowers(std::vector<float>* powers, int64_t max_age, float exponent
 }
 
 // ScoredVictim with entry i's age given by age_of(i) and ranked scores[i] / powers[age].
+// The newest `newest_kept` entries (at least the newest one) are never chosen.
 template <typename AgeOf>
 int64_t LowestRanked(const std::vector<bool>& pinned, const std::vector<float>& scores,
-                     const std::vector<float>& powers, AgeOf age_of) {
+                     const std::vector<float>& powers, AgeOf age_of, int64_t newest_kept = 1) {
   const int64_t len = static_cast<int64_t>(pinned.size());
   int64_t victim = -1;
   float lowest = 0.f;
-  for (int64_t i = 0; i < len - 1; ++i) {
+  for (int64_t i = 0; i < len - std::max<int64_t>(1, newest_kept); ++i) {
     if (pinned[i]) continue;
     const float r = scores[i] / powers[std::max<int64_t>(0, age_of(i))];
     if (victim < 0 || r < lowest) {
@@ -52,7 +53,8 @@ class ElasticPolicy final : public KvPolicy {
         decode_scores_(num_layers),
         born_(num_layers),
         steps_(num_layers, 0),
-        pinned_(num_layers) {
+        pinned_(num_layers),
+        from_image_(num_layers) {
     ExtendAgePowers(&age_powers_, 0, params_.elastic.evict_age_exponent);
   }
 
@@ -98,6 +100,13 @@ class ElasticPolicy final : public KvPolicy {
       s->shrink_to_fit();
     }
     pinned_[layer] = plan.pinned;
+    // The image's kept entries are spared by evict_answer_first; the prompt's text competes.
+    from_image_[layer].assign(plan.kept.size(), false);
+    for (size_t i = 0; i < plan.kept.size(); ++i) {
+      for (const PromptSegments::Span& image : segments_.images) {
+        if (plan.kept[i] >= image.begin && plan.kept[i] < image.end) from_image_[layer][i] = true;
+      }
+    }
     pinned_count_ = std::count(plan.pinned.begin(), plan.pinned.end(), true);
     if (layer == 0) fixed_point_ = ElasticFixedPoint(plan.kept.size(), params_);
     if (layer + 1 == static_cast<int>(pinned_.size())) prefilled_ = true;
@@ -106,6 +115,7 @@ class ElasticPolicy final : public KvPolicy {
 
   void OnAppend(int layer, int64_t n_new) override {
     pinned_[layer].resize(pinned_[layer].size() + n_new, false);
+    from_image_[layer].resize(pinned_[layer].size(), false);  // PlanPrompt marks the image's
     if (scored_) {
       decode_scores_[layer].resize(pinned_[layer].size(), 0.f);
       born_[layer].resize(pinned_[layer].size(), steps_[layer]);
@@ -115,13 +125,42 @@ class ElasticPolicy final : public KvPolicy {
     if (scored_) {
       const std::vector<int64_t>& born = born_[layer];
       const int64_t now = steps_[layer];
+      if (params_.elastic.evict_answer_first > 0) {
+        std::vector<bool> spare = pinned_[layer];  // the image's entries spared too
+        for (size_t i = 0; i < spare.size(); ++i) spare[i] = spare[i] || from_image_[layer][i];
+        const int64_t v = LowestRanked(
+            spare, decode_scores_[layer], age_powers_, [&](int64_t i) { return now - born[i]; },
+            params_.elastic.evict_answer_first);
+        if (v >= 0) return v;
+      }
       return LowestRanked(pinned_[layer], decode_scores_[layer], age_powers_,
                           [&](int64_t i) { return now - born[i]; });
     }
     return ElasticVictim(pinned_[layer], fixed_point_);
   }
+  DecodeMerge MergeVictim(int layer, int64_t victim) override {
+    DecodeMerge m;
+    if (!scored_ || !params_.elastic.decode_merge) return m;
+    const std::vector<bool>& pin = pinned_[layer];
+    std::vector<float>& sc = decode_scores_[layer];
+    const int64_t len = static_cast<int64_t>(pin.size());
+    // The neighbour (by position) that has received more attention, pinned entries excluded.
+    int64_t best = -1;
+    for (int64_t j : {victim - 1, victim + 1}) {
+      if (j < 0 || j >= len - 1 || pin[j]) continue;
+      if (best < 0 || sc[j] > sc[best]) best = j;
+    }
+    if (best < 0) return m;
+    m.into = best;
+    m.victim_weight = sc[victim] + 1e-6f;
+    m.into_weight = sc[best] + 1e-6f;
+    sc[best] += sc[victim];
+    return m;
+  }
+
   void OnEvict(int layer, int64_t index) override {
     pinned_[layer].erase(pinned_[layer].begin() + index);
+    from_image_[layer].erase(from_image_[layer].begin() + index);
     if (scored_) {
       decode_scores_[layer].erase(decode_scores_[layer].begin() + index);
       born_[layer].erase(born_[layer].begin() + index);
@@ -146,7 +185,9 @@ class ElasticPolicy final : public KvPolicy {
   std::vector<float> age_powers_;  // [age]: max(1, age)^evict_age_exponent, one pow per step
   std::vector<std::vector<bool>> pinned_;  // per layer, aligned with the entries
   int64_t pinned_count_ = 0;               // pinned entries per layer (the same in every layer)
-  int64_t fixed_point_ = 0;                // N_tl
+  std::vector<std::vector<bool>>
+      from_image_;           // per layer, aligned: an image entry the prompt's plan kept
+  int64_t fixed_point_ = 0;  // N_tl
   bool prefilled_ = false;
 };
 
@@ -297,6 +338,10 @@ Status ValidateElasticParams(const CacheParams& p) {
   if (p.elastic.recent_distance < 1) {
     return InvalidArgument("kv_cache.recent_distance must be >= 1, got " +
                            std::to_string(p.elastic.recent_distance));
+  }
+  if (p.elastic.evict_answer_first < 0 || p.elastic.evict_answer_first > 4096) {
+    return InvalidArgument("kv_cache.elastic.evict_answer_first must be in [0, 4096], got " +
+                           std::to_string(p.elastic.evict_answer_first));
   }
   return Status::Ok();
 }

@@ -256,6 +256,15 @@ class PageTable {
     }
   }
 
+  // The value of slot `to` becomes (1 - share) x itself + share x slot `from`'s.
+  void BlendValue(int layer, int64_t from, int64_t to, float share) {
+    const int64_t p = pool_->page_rows();
+    const at::Tensor pages = pool_->Pages(layer, /*values=*/true);
+    at::Tensor dst = pages[pages_[to / p]].narrow(1, to % p, 1);
+    const at::Tensor src = pages[pages_[from / p]].narrow(1, from % p, 1);
+    dst.copy_(dst.to(at::kFloat) * (1 - share) + src.to(at::kFloat) * share);
+  }
+
   KvStorage View(int layer, int64_t len) const {
     KvStorage st;
     st.keys = pool_->Base(layer, false);
@@ -442,6 +451,11 @@ class PagedKvCache final : public KvCache {
   // Evicts the entry of rank `rank` from layer `l`: the entry in the last slot moves into the
   // victim's slot, so the slots stay dense and nothing else moves.
   void Evict(int l, int64_t rank) {
+    const KvPolicy::DecodeMerge m = policy_->MergeVictim(l, rank);
+    if (m.into >= 0 && m.victim_weight + m.into_weight > 0) {
+      table_.BlendValue(l, order_[l][rank], order_[l][m.into],
+                        m.victim_weight / (m.victim_weight + m.into_weight));
+    }
     const int32_t slot = order_[l][rank], last = static_cast<int32_t>(len_[l] - 1);
     if (slot != last) {
       table_.CopySlot(l, last, slot);

@@ -64,6 +64,13 @@ class KvPolicy {
   virtual void OnAppend(int layer, int64_t n_new) {}
   // The index of the entry to evict from `layer`, which holds `len` > `target` entries.
   virtual int64_t Victim(int layer, int64_t len, int64_t target) const = 0;
+  // Where the victim's value goes before it is evicted: the index of the entry whose value
+  // becomes the weighted mean of both (weights victim_weight and into_weight), or -1 to drop it.
+  struct DecodeMerge {
+    int64_t into = -1;
+    float victim_weight = 0, into_weight = 0;
+  };
+  virtual DecodeMerge MergeVictim(int layer, int64_t victim) { return {}; }
   virtual void OnEvict(int layer, int64_t index) {}
 };
 
