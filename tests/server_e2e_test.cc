@@ -612,8 +612,15 @@ TEST(ServerScaleOut, RoundRobinSpreadsRequestsOverEveryAddress) {
     return SeriesValue(s.HttpGet("/metrics"),
                        "llava_request_status_total{api=\"grpc\",code=\"OK\"}");
   };
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE(chat());  // both connections come up
+  // Until both connections are up (round_robin picks only READY ones; on a loaded machine the
+  // second may take longer than a few requests): each server has answered at least one.
+  for (int i = 0; i < 200 && (served(a) < 1 || served(b) < 1); ++i) {
+    ASSERT_TRUE(chat());
+    if (i >= 4) std::this_thread::sleep_for(50ms);
+  }
   const double a0 = served(a), b0 = served(b);
+  ASSERT_GE(a0, 1) << "a never served: " << a.Log();
+  ASSERT_GE(b0, 1) << "b never served: " << b.Log();
   for (int i = 0; i < 8; ++i) ASSERT_TRUE(chat());
   const double on_a = served(a) - a0, on_b = served(b) - b0;
   EXPECT_EQ(on_a + on_b, 8);
