@@ -24,15 +24,17 @@ void ExtendAgePowers(std::vector<float>* powers, int64_t max_age, float exponent
 }
 
 // ScoredVictim with entry i's age given by age_of(i) and ranked scores[i] / powers[age].
-// The newest `newest_kept` entries (at least the newest one) are never chosen.
+// The newest `newest_kept` entries (at least the newest one) and those `spared` marks are never
+// chosen.
 template <typename AgeOf>
 int64_t LowestRanked(const std::vector<bool>& pinned, const std::vector<float>& scores,
-                     const std::vector<float>& powers, AgeOf age_of, int64_t newest_kept = 1) {
+                     const std::vector<float>& powers, AgeOf age_of, int64_t newest_kept = 1,
+                     const std::vector<bool>* spared = nullptr) {
   const int64_t len = static_cast<int64_t>(pinned.size());
   int64_t victim = -1;
   float lowest = 0.f;
   for (int64_t i = 0; i < len - std::max<int64_t>(1, newest_kept); ++i) {
-    if (pinned[i]) continue;
+    if (pinned[i] || (spared != nullptr && (*spared)[i])) continue;
     const float r = scores[i] / powers[std::max<int64_t>(0, age_of(i))];
     if (victim < 0 || r < lowest) {
       victim = i;
@@ -126,11 +128,10 @@ class ElasticPolicy final : public KvPolicy {
       const std::vector<int64_t>& born = born_[layer];
       const int64_t now = steps_[layer];
       if (params_.elastic.evict_answer_first > 0) {
-        std::vector<bool> spare = pinned_[layer];  // the image's entries spared too
-        for (size_t i = 0; i < spare.size(); ++i) spare[i] = spare[i] || from_image_[layer][i];
         const int64_t v = LowestRanked(
-            spare, decode_scores_[layer], age_powers_, [&](int64_t i) { return now - born[i]; },
-            params_.elastic.evict_answer_first);
+            pinned_[layer], decode_scores_[layer], age_powers_,
+            [&](int64_t i) { return now - born[i]; }, params_.elastic.evict_answer_first,
+            &from_image_[layer]);  // the image's entries spared too
         if (v >= 0) return v;
       }
       return LowestRanked(pinned_[layer], decode_scores_[layer], age_powers_,
