@@ -201,10 +201,12 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
     case v1::ELASTIC_VARIANT_UNSPECIFIED:
       break;  // the server's default Elastic
     case v1::ELASTIC_VARIANT_PRODUCT:
-    case v1::ELASTIC_VARIANT_PAPER: {
+    case v1::ELASTIC_VARIANT_PAPER:
+    case v1::ELASTIC_VARIANT_LOOK_M: {
       const int recent = cp.elastic.recent_distance;
-      cp.elastic_variant = e.variant() == v1::ELASTIC_VARIANT_PAPER ? ElasticVariant::kPaper
-                                                                    : ElasticVariant::kProduct;
+      cp.elastic_variant = e.variant() == v1::ELASTIC_VARIANT_PAPER    ? ElasticVariant::kPaper
+                           : e.variant() == v1::ELASTIC_VARIANT_LOOK_M ? ElasticVariant::kLookM
+                                                                       : ElasticVariant::kProduct;
       cp.elastic = ElasticPreset(cp.elastic_variant);
       cp.elastic.recent_distance = recent;
       break;
@@ -220,6 +222,9 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
   if (e.has_evict_age_exponent()) cp.elastic.evict_age_exponent = e.evict_age_exponent();
   if (e.has_evict_answer_first()) cp.elastic.evict_answer_first = e.evict_answer_first();
   if (e.has_decode_merge()) cp.elastic.decode_merge = e.decode_merge();
+  if (e.has_text_prior()) cp.elastic.text_prior = e.text_prior();
+  if (kv.h2o().has_recent_window()) cp.h2o.recent_window = kv.h2o().recent_window();
+  if (kv.h2o().has_shared_scores()) cp.h2o.shared_scores = kv.h2o().shared_scores();
   if (kv.snapkv().has_window()) cp.snapkv.window = kv.snapkv().window();
   if (kv.snapkv().has_kernel()) cp.snapkv.kernel = kv.snapkv().kernel();
   switch (e.importance()) {
@@ -234,6 +239,9 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
     case v1::IMPORTANCE_MODE_INSTRUCTION:
       cp.elastic.importance = ImportanceMode::kInstruction;
       break;
+    case v1::IMPORTANCE_MODE_HYBRID:
+      cp.elastic.importance = ImportanceMode::kHybrid;
+      break;
     default:
       return InvalidArgument("kv_cache.elastic.importance " + std::to_string(e.importance()) +
                              " is unknown");
@@ -246,6 +254,9 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
       break;
     case v1::MERGE_SCOPE_SEGMENT:
       cp.elastic.merge_scope = MergeScope::kSegment;
+      break;
+    case v1::MERGE_SCOPE_KEY:
+      cp.elastic.merge_scope = MergeScope::kKey;
       break;
     default:
       return InvalidArgument("kv_cache.elastic.merge_scope " + std::to_string(e.merge_scope()) +

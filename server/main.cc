@@ -174,8 +174,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--default-policy", policy,
-                 "full | elastic | h2o | streaming_llm | snapkv, with options as in llava-generate "
-                 "--policy (e.g. elastic+paper)")
+                 "full | elastic | h2o | streaming_llm | snapkv | lookm, with options as in "
+                 "llava-generate --policy (e.g. elastic+paper, h2o+paper)")
       ->envname(env("DEFAULT_POLICY"))
       ->capture_default_str();
   app.add_option("--default-budget", budget, "default KV budget ratio")

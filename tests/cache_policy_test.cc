@@ -152,6 +152,56 @@ TEST(H2O, HeavyHittersAndRecentWindow) {
   EXPECT_EQ(H2OVictim({0.5f, 0.2f, 0.2f, 0.f}, 2), 1);
 }
 
+// `h2o+paper` (the Elastic Cache paper's code): no recent window but the newest entry, 1 sink.
+TEST(H2O, PaperVariantHasNoRecentWindow) {
+  const std::vector<float> s = {0.1f, 0.3f, 0.9f, 0.2f, 0.1f, 0.8f, 0.4f, 0.f, 0.f, 0.f};
+  // target 5: the sink 0, the newest 9, and the three highest of 1..8: 2, 5, 6.
+  EXPECT_EQ(H2OKeep(s, 5, 1, 1), (std::vector<int64_t>{0, 2, 5, 6, 9}));
+  // Victim: the lowest of 1..8 (7 and 8 both 0: the earlier), never the sink nor the newest.
+  EXPECT_EQ(H2OVictim(s, 5, 1, 1), 7);
+  EXPECT_EQ(H2OVictim({0.f, 0.5f, 0.f}, 2, 1, 1), 1);
+  EXPECT_EQ(H2OVictim({0.f, 0.5f}, 1, 1, 1), -1);  // only the sink and the newest are left
+  const CacheParams p = ParseCacheSpec("h2o+paper").value();
+  EXPECT_FALSE(p.h2o.recent_window);
+  EXPECT_TRUE(p.h2o.shared_scores);
+  EXPECT_EQ(p.sinks(), 1);
+  EXPECT_EQ(ParseCacheSpec("h2o+paper+sinks=0").value().sinks(), 0);
+  const CacheParams plain = ParseCacheSpec("h2o").value();
+  EXPECT_TRUE(plain.h2o.recent_window);
+  EXPECT_FALSE(plain.h2o.shared_scores);
+  EXPECT_EQ(plain.sinks(), 0);
+  auto bad = ParseCacheSpec("h2o+fast");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("kv_cache.h2o"), std::string::npos);
+}
+
+// Shared scores: every layer ranks by the sum over all layers, so every layer keeps and
+// evicts the same positions although each layer's own scores would disagree.
+TEST(H2O, SharedScoresKeepTheSamePositionsInEveryLayer) {
+  CacheParams p = ParseCacheSpec("h2o+paper+sinks=0").value();
+  p.budget = 0.5;
+  std::unique_ptr<KvPolicy> policy = NewKvPolicy(p, {}, 2);
+  // T = 6, target 3: the newest (5) and two heavy hitters of 0..4. Layer 0 alone would keep
+  // {0, 1}, layer 1 alone {3, 4}; summed: 0: 1.0, 1: 0.9, 2: 1.2, 3: 0.7, 4: 0.8 -> {0, 2}.
+  const float l0[6] = {0.9f, 0.8f, 0.6f, 0.1f, 0.1f, 0.f};
+  const float l1[6] = {0.1f, 0.1f, 0.6f, 0.6f, 0.7f, 0.f};
+  policy->AddScores(0, 0, l0, 6);
+  policy->AddScores(1, 0, l1, 6);
+  EXPECT_EQ(policy->PlanPrompt(0, 6).kept, (std::vector<int64_t>{0, 2, 5}));
+  EXPECT_EQ(policy->PlanPrompt(1, 6).kept, (std::vector<int64_t>{0, 2, 5}));
+  // A decode step appends entry 3 (position 6); its sums: layer 0 favours the first kept
+  // entry, layer 1 the second; summed, position 5 (index 2) has the least.
+  const float d0[4] = {0.5f, 0.f, 0.f, 0.5f};
+  const float d1[4] = {0.f, 0.5f, 0.2f, 0.3f};
+  for (int l = 0; l < 2; ++l) policy->OnAppend(l, 1);
+  policy->AddScores(0, -1, d0, 4);
+  policy->AddScores(1, -1, d1, 4);
+  // target for n = 7: ceil(3.5) = 4 -> no eviction yet; at target 3 the victim of both layers
+  // is the lowest of 0..2 by the summed scores: 0: 1.5, 2: 1.7, 5: 0.2 -> index 2.
+  EXPECT_EQ(policy->Victim(0, 4, 3), 2);
+  EXPECT_EQ(policy->Victim(1, 4, 3), 2);
+}
+
 TEST(CacheParams, ValidationNamesTheField) {
   CacheParams p;
   p.budget = 0;
@@ -194,6 +244,14 @@ CacheParams Product(double gamma) {
   return p;
 }
 
+// The product with the instruction (and a question before the image) pinned: an option of the
+// product, off by default.
+CacheParams Protecting(double gamma) {
+  CacheParams p = Product(gamma);
+  p.elastic.protect_instruction = true;
+  return p;
+}
+
 TEST(PromptSegments, EachImageAndTextRunIsASegment) {
   PromptSegments s;
   s.images = {{2, 4}, {5, 7}};
@@ -205,9 +263,9 @@ TEST(ElasticPinned, SinksAndTheProtectedSpans) {
   PromptSegments s = TwelveTokenPrompt();
   s.system = {1, 2};
   EXPECT_EQ(ElasticPinned(Elastic(0.5), s, 12), (std::vector<int64_t>{0}));  // paper: sinks
-  // Budget 1: 12 entries, half of them (6) for the sink and the spans. The product pins the
-  // instruction, not the system prompt (docs/POLICIES.md, "The system prompt is not pinned").
-  CacheParams p = Product(1.0);
+  // Budget 1: 12 entries, half of them (6) for the sink and the spans: the instruction, not the
+  // system prompt unless asked for.
+  CacheParams p = Protecting(1.0);
   EXPECT_FALSE(p.elastic.protect_system);
   EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 8, 9, 10, 11}));
   p.elastic.protect_system = true;
@@ -223,9 +281,9 @@ TEST(ElasticPinned, SinksAndTheProtectedSpans) {
   paper.question = {3, 6};
   paper.images = {{6, 20}};
   paper.instruction = {20, 24};
-  EXPECT_EQ(ElasticPinned(Product(1.0), paper, 24),
+  EXPECT_EQ(ElasticPinned(Protecting(1.0), paper, 24),
             (std::vector<int64_t>{0, 3, 4, 5, 20, 21, 22, 23}));
-  CacheParams with_system = Product(1.0);
+  CacheParams with_system = Protecting(1.0);
   with_system.elastic.protect_system = true;
   EXPECT_EQ(ElasticPinned(with_system, paper, 24),
             (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 20, 21, 22, 23}));
@@ -236,7 +294,8 @@ TEST(ElasticPinned, SinksAndTheProtectedSpans) {
   // 0.5: 12 entries, 6 pinned: the instruction and the question's last token.
   with_system.budget = 0.5;
   EXPECT_EQ(ElasticPinned(with_system, paper, 24), (std::vector<int64_t>{0, 5, 20, 21, 22, 23}));
-  EXPECT_EQ(ElasticPinned(Product(0.5), paper, 24), (std::vector<int64_t>{0, 5, 20, 21, 22, 23}));
+  EXPECT_EQ(ElasticPinned(Protecting(0.5), paper, 24),
+            (std::vector<int64_t>{0, 5, 20, 21, 22, 23}));
   EXPECT_EQ(ElasticPinned(Elastic(0.5), paper, 24), (std::vector<int64_t>{0}));
 }
 
@@ -259,12 +318,12 @@ TEST(ElasticImportance, EachModeDividesByTheQueriesThatWereSummed) {
 // anchors, the most important unpinned positions (5, 8, 6). Segment scope merges image rows
 // into image anchors and drops "USER:" (1), whose text run has no anchor; the paper's nearest
 // scope would have merged it into the image.
-TEST(ElasticMerge, ProductKeepsTheInstructionAndMergesWithinTheImage) {
+TEST(ElasticMerge, ProtectedInstructionAndMergesWithinTheImage) {
   const std::vector<float> imp = {9, 0.05f, 0.1f, 0.2f, 0.3f, 0.9f, 0.4f, 0.1f, 0.6f, 0.05f, 0, 0};
   PromptSegments s;
   s.images = {{2, 8}};
   s.instruction = {10, 12};
-  CacheParams p = Product(0.5);
+  CacheParams p = Protecting(0.5);
   p.elastic.weighted_merge = false;
   MergePlan plan = PlanElasticMerge(imp, p, s);
   EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 5, 6, 8, 10, 11}));
@@ -291,16 +350,46 @@ TEST(ElasticMerge, ProductKeepsTheInstructionAndMergesWithinTheImage) {
 // pinned, and the plan keeps exactly the budget.
 TEST(ElasticMerge, ProtectedSpansNeverTakeTheWholeBudget) {
   const std::vector<float> imp = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2};
-  MergePlan plan = PlanElasticMerge(imp, Product(0.2), TwelveTokenPrompt());
+  MergePlan plan = PlanElasticMerge(imp, Protecting(0.2), TwelveTokenPrompt());
   EXPECT_EQ(plan.kept.size(), 3u);
   EXPECT_EQ(std::count(plan.pinned.begin(), plan.pinned.end(), true), 1);
   EXPECT_EQ(plan.kept.front(), 0);
   // At 0.8 (10 entries, 5 pinned) the sink and the whole 4-token instruction are.
-  plan = PlanElasticMerge(imp, Product(0.8), TwelveTokenPrompt());
+  plan = PlanElasticMerge(imp, Protecting(0.8), TwelveTokenPrompt());
   EXPECT_EQ(plan.kept.size(), 10u);
   EXPECT_EQ(std::vector<int64_t>(plan.kept.end() - 4, plan.kept.end()),
             (std::vector<int64_t>{8, 9, 10, 11}));
   EXPECT_EQ(std::count(plan.pinned.begin(), plan.pinned.end(), true), 5);
+}
+
+// LOOK-M's text prior, T = 10: the sink 0, text 1, the image 2-7, text 8-9. gamma 0.5: K = 5,
+// kept {0, 9} and three anchors: the text entries 1 and 8 first (whatever their importance),
+// then the image's most important, 3 (0.9). Merges fall back to the nearest anchor by position
+// (the cache re-assigns them by key similarity, AssignMergesByKey): 2 is 1 from 1 and 3 -> the
+// earlier; 4, 5 -> 3; 6 is 3 from 3 and 2 from 8 -> 8; 7 -> 8.
+TEST(ElasticMerge, TextPriorKeepsEveryTextEntryFirst) {
+  const std::vector<float> imp = {9, 0.1f, 0.5f, 0.9f, 0.3f, 0.8f, 0.2f, 0.4f, 0.05f, 0};
+  PromptSegments s;
+  s.images = {{2, 8}};
+  s.instruction = {8, 10};
+  CacheParams p = ParseCacheSpec("lookm+sinks=1").value();
+  p.budget = 0.5;
+  MergePlan plan = PlanElasticMerge(imp, p, s);
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 1, 3, 8, 9}));
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, 1, 1, 2, 2, 2, 3, 3, 3, 4}));
+  EXPECT_EQ(plan.merged, 5);
+  EXPECT_TRUE(plan.merge_by_key);
+  EXPECT_TRUE(plan.merge_keys);      // averaged merging: keys and values
+  EXPECT_TRUE(plan.weight.empty());  // plain means
+  // Without the prior the image's three most important are the anchors.
+  p.elastic.text_prior = false;
+  plan = PlanElasticMerge(imp, p, s);
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 2, 3, 5, 9}));
+  // More text than anchors: the text entries by importance (1 before 8), no image entry.
+  p.elastic.text_prior = true;
+  p.budget = 0.4;  // K = 4: two anchors
+  plan = PlanElasticMerge(imp, p, s);
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 1, 8, 9}));
 }
 
 TEST(ElasticVictim, SkipsPinnedEntriesAndTheNewest) {
@@ -400,7 +489,10 @@ TEST(ParseCacheSpec, PresetsAndOptions) {
   auto p = ParseCacheSpec("elastic");
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->elastic_variant, ElasticVariant::kProduct);
-  EXPECT_TRUE(p->elastic.protect_instruction);
+  EXPECT_FALSE(p->elastic.protect_instruction);
+  EXPECT_EQ(p->elastic.importance, ImportanceMode::kHybrid);
+  EXPECT_EQ(p->elastic.merge_scope, MergeScope::kSegment);
+  EXPECT_FALSE(p->elastic.text_prior);
   EXPECT_FALSE(p->elastic.protect_system);
   EXPECT_FALSE(p->elastic.merge_keys);
   EXPECT_EQ(p->elastic.eviction, DecodeEviction::kScored);
@@ -415,6 +507,24 @@ TEST(ParseCacheSpec, PresetsAndOptions) {
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->elastic.evict_answer_first, 0);  // the paper drops what it evicts
   EXPECT_FALSE(p->elastic.decode_merge);
+  p = ParseCacheSpec("lookm");  // LOOK-M: a preset of Elastic's knobs
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->policy, CachePolicy::kElastic);
+  EXPECT_EQ(p->elastic_variant, ElasticVariant::kLookM);
+  EXPECT_TRUE(p->elastic.text_prior);
+  EXPECT_EQ(p->elastic.merge_scope, MergeScope::kKey);
+  EXPECT_EQ(p->elastic.importance, ImportanceMode::kSum);
+  EXPECT_FALSE(p->elastic.protect_instruction);
+  EXPECT_EQ(p->elastic.eviction, DecodeEviction::kScored);
+  EXPECT_EQ(p->elastic.evict_answer_first, 0);
+  EXPECT_FALSE(p->elastic.decode_merge);
+  EXPECT_FLOAT_EQ(p->elastic.evict_age_exponent, 0.f);
+  EXPECT_EQ(ParseCacheSpec("elastic+lookm").value().elastic_variant, ElasticVariant::kLookM);
+  p = ParseCacheSpec("lookm+text_prior=0+merge_scope=nearest");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_FALSE(p->elastic.text_prior);
+  EXPECT_EQ(p->elastic.merge_scope, MergeScope::kNearest);
+  EXPECT_FALSE(ParseCacheSpec("lookmx").ok());
   p = ParseCacheSpec("elastic+age_exp=0.5");
   ASSERT_TRUE(p.ok());
   EXPECT_FLOAT_EQ(p->elastic.evict_age_exponent, 0.5f);

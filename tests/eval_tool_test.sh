@@ -10,7 +10,7 @@ cat "$out.stdout"
 csv="$out/results.csv"
 test -s "$out/results.json"
 rows=$(($(wc -l < "$csv") - 1))
-[ "$rows" -eq 13 ] || { echo "expected 13 result rows (full + 4 policies x 3 budgets), got $rows"; exit 1; }
+[ "$rows" -eq 19 ] || { echo "expected 19 result rows (full + 6 policies x 3 budgets), got $rows"; exit 1; }
 full_ppl=$(awk -F, '$1=="full"{print $4}' "$csv")
 awk -F, -v ppl="$full_ppl" 'NR>1 && $2=="1.00" {
     if ($4 != ppl) { print "budget 1 PPL differs from Full: " $0; bad=1 }
@@ -23,8 +23,8 @@ items=$(wc -l < "$out.items.jsonl")
 python3 - "$out.items.jsonl" "$full_ppl" <<'PY'
 import json, math, sys
 lines = [json.loads(l) for l in open(sys.argv[1])]
-assert {l["policy"] for l in lines} == {"full", "elastic", "elastic+paper", "h2o",
-                                       "streaming_llm"}, lines[0]
+assert {l["policy"] for l in lines} == {"full", "elastic", "elastic+paper", "h2o", "snapkv",
+                                       "lookm", "streaming_llm"}, lines[0]
 assert all(set(l) == {"sample", "policy", "budget", "kind", "prompt", "reference", "answer",
                       "score", "nll", "tokens"} for l in lines)
 assert sorted({l["sample"] for l in lines}) == [0, 1, 2]

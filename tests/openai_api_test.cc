@@ -128,6 +128,14 @@ TEST(OpenAiApi, KvCacheExtension) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->request.kv_cache.policy, CachePolicy::kH2O);
   EXPECT_DOUBLE_EQ(r->request.kv_cache.budget, 0.5) << "the server's default budget is kept";
+  body["kv_cache"] = {{"policy", "lookm"}};
+  r = ParseChatCompletion(body.dump(), Defaults());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->request.kv_cache.elastic_variant, ElasticVariant::kLookM);
+  body["kv_cache"] = {{"policy", "h2o+paper"}};
+  r = ParseChatCompletion(body.dump(), Defaults());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->request.kv_cache.h2o.recent_window);
 }
 
 TEST(OpenAiApi, ErrorsNameTheField) {

@@ -67,6 +67,39 @@ TEST(MergeRows, AveragesEachBucket) {
   }
 }
 
+// LOOK-M's merge target: each merged entry joins the kept, unpinned entry whose key is the most
+// similar, by cosine summed over the heads, whatever their positions.
+TEST(AssignMergesByKey, EachMergedEntryJoinsTheMostSimilarKeptKey) {
+  // Two heads, head dim 2. Kept {0 (pinned), 2, 4}; 1 and 3 are merged (their position
+  // buckets: 1 -> 2, 3 -> 4). Keys by position (head 0 | head 1):
+  //   0: (1, 0) | (1, 0)    pinned: never a target even though 1's key equals it
+  //   1: (1, 0) | (0, 1)    cos to 2: 0 + 1 = 1; to 4: 1 + 0 = 1 -> tie: the earlier (2)
+  //   2: (0, 1) | (0, 1)
+  //   3: (-1, 0.1) | (0, 3) cos to 2: 0.0995 + 1 = 1.0995; to 4: -0.995 + 0 -> 2
+  //   4: (2, 0) | (5, 0)
+  at::Tensor keys = at::tensor({1.f, 0.f, 1.f, 0.f, 0.f, 1.f, -1.f, 0.1f, 2.f, 0.f,   // head 0
+                                1.f, 0.f, 0.f, 1.f, 0.f, 1.f, 0.f,  3.f,  5.f, 0.f})  // head 1
+                        .view({2, 5, 2});
+  MergePlan plan;
+  plan.kept = {0, 2, 4};
+  plan.pinned = {true, false, false};
+  plan.bucket = {0, 1, 1, 2, 2};
+  plan.merged = 2;
+  AssignMergesByKey(keys, &plan);
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, 1, 1, 1, 2}));
+  // Entry 1's head-1 key turned to (0.6, 0.8): to 2, 0 + 0.8; to 4, 1 + 0.6 -> 4.
+  keys[1][1] = at::tensor({0.6f, 0.8f});
+  plan.bucket = {0, 1, 1, 2, 2};
+  AssignMergesByKey(keys, &plan);
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, 2, 1, 1, 2}));
+  // Nothing kept but the pinned: the position buckets stay.
+  plan.kept = {0};
+  plan.pinned = {true};
+  plan.bucket = {0, 0, -1, 0, -1};
+  AssignMergesByKey(keys, &plan);
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, 0, -1, 0, -1}));
+}
+
 // One layer, one head of width 2, fp32: for caches fed hand-made attention.
 KvLayout OneLayerLayout() {
   KvLayout layout;
@@ -304,12 +337,16 @@ TEST_F(PolicyCacheTest, ChunkedPrefillMatchesOnePass) {
   segments.images = {{3, 29}};
   segments.instruction = {29, 37};
   // SnapKV's window (the last 5 rows, from 32) also falls inside the 20-row chunk.
-  for (int k = 0; k < 5; ++k) {
-    const CachePolicy p = std::array<CachePolicy, 5>{
-        CachePolicy::kElastic, CachePolicy::kH2O, CachePolicy::kStreamingLLM, CachePolicy::kElastic,
-        CachePolicy::kSnapKV}[k];
+  // LOOK-M (k = 5) merges by key similarity, and `h2o+paper` (k = 6) sums scores over layers.
+  for (int k = 0; k < 7; ++k) {
+    const CachePolicy p = std::array<CachePolicy, 7>{
+        CachePolicy::kElastic, CachePolicy::kH2O,    CachePolicy::kStreamingLLM,
+        CachePolicy::kElastic, CachePolicy::kSnapKV, CachePolicy::kElastic,
+        CachePolicy::kH2O}[k];
     CacheParams params = Params(p, 0.3, /*recent=*/4);
     if (k == 3) params.elastic = ElasticPreset(ElasticVariant::kProduct);
+    if (k == 5) params.elastic = ElasticPreset(ElasticVariant::kLookM);
+    if (k == 6) params.h2o = H2OParams{false, true};
     params.snapkv = SnapKvParams{5, 3};
     auto whole = NewKvCache(pool_, params, segments);
     std::vector<at::Tensor> ref = {Feed({{model_->Embed(prompt), 0, whole.get(), false}})};
@@ -350,13 +387,16 @@ TEST_F(PolicyCacheTest, ChunkedPrefillMatchesOnePass) {
 
 TEST_F(PolicyCacheTest, LengthAndBytesFollowTheBudgetEveryStep) {
   std::mt19937 rng(3);
-  for (int trial = 0; trial < 12; ++trial) {
-    const CachePolicy policy =
-        std::array<CachePolicy, 4>{CachePolicy::kElastic, CachePolicy::kH2O,
-                                   CachePolicy::kStreamingLLM, CachePolicy::kSnapKV}[trial % 4];
+  for (int trial = 0; trial < 18; ++trial) {
+    // The last two: LOOK-M (Elastic's knobs) and `h2o+paper`.
+    const CachePolicy policy = std::array<CachePolicy, 6>{
+        CachePolicy::kElastic, CachePolicy::kH2O,     CachePolicy::kStreamingLLM,
+        CachePolicy::kSnapKV,  CachePolicy::kElastic, CachePolicy::kH2O}[trial % 6];
     const double gamma = 0.1 + 0.8 * (rng() % 100) / 100.0;
     const int64_t t = 8 + rng() % 40, steps = 1 + rng() % 20;
     CacheParams params = Params(policy, gamma, 1 + rng() % 10, rng() % 3);
+    if (trial % 6 == 4) params.elastic = ElasticPreset(ElasticVariant::kLookM);
+    if (trial % 6 == 5) params.h2o = H2OParams{false, true};
     if (policy == CachePolicy::kSnapKV) {
       params.sink_tokens = -1;  // SnapKV keeps no sinks
       params.snapkv.window = 1 + static_cast<int>(rng() % 8);
@@ -451,7 +491,9 @@ TEST_F(PolicyCacheTest, ElasticEvictsAtTheFixedPoint) {
 
 // The product Elastic keeps the instruction verbatim through the merge and every decode step,
 // and holds exactly its target in every layer; the image rows are merged within the image.
-TEST_F(PolicyCacheTest, ProductElasticKeepsTheInstructionWhileDecoding) {
+// `protect_instruction` (an option of the product, off by default): the instruction survives
+// the prompt's plan and every decode step.
+TEST_F(PolicyCacheTest, PinnedInstructionSurvivesEveryDecodeStep) {
   PromptSegments segments;
   segments.images = {{2, 34}};
   segments.instruction = {34, 40};
@@ -459,6 +501,7 @@ TEST_F(PolicyCacheTest, ProductElasticKeepsTheInstructionWhileDecoding) {
     CacheParams params;
     params.policy = CachePolicy::kElastic;
     params.budget = gamma;
+    params.elastic.protect_instruction = true;
     auto cache = NewKvCache(pool_, params, segments);
     Run(cache.get(), Ids(40, 21), Ids(40, 22), [&](int64_t n) {
       for (int l = 0; l < model_->kv_layout().num_layers; ++l) {
@@ -479,7 +522,9 @@ TEST_F(PolicyCacheTest, ProductElasticKeepsTheInstructionWhileDecoding) {
     std::unique_ptr<KvCache> fresh = NewKvCache(pool_, params, segments);
     Run(fresh.get(), Ids(40, 21), Ids(0, 22));
     const KvStats s = fresh->Stats();
-    EXPECT_EQ(s.tokens_merged + s.tokens_evicted, 33 - anchors);
+    // (Both counts are per-layer means, each rounded down: their sum may lose one.)
+    EXPECT_LE(s.tokens_merged + s.tokens_evicted, 33 - anchors);
+    EXPECT_GE(s.tokens_merged + s.tokens_evicted, 33 - anchors - 1);
     EXPECT_LE(s.tokens_evicted, anchors > 0 ? 1 : 33) << "gamma " << gamma;
   }
 }

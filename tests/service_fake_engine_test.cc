@@ -225,7 +225,46 @@ TEST_F(FakeEngineServiceTest, UnaryCollectsTheTextAndConvertsTheRequest) {
   EXPECT_EQ(g.kv_cache.policy, CachePolicy::kElastic);
   EXPECT_DOUBLE_EQ(g.kv_cache.budget, 0.3);
   EXPECT_EQ(g.kv_cache.elastic_variant, ElasticVariant::kProduct);  // the server default
-  EXPECT_TRUE(g.kv_cache.elastic.protect_instruction);
+  EXPECT_EQ(g.kv_cache.elastic.importance, ImportanceMode::kHybrid);
+  EXPECT_FALSE(g.kv_cache.elastic.protect_instruction);
+}
+
+// LOOK-M is an Elastic variant over gRPC; H2O's options pick the Elastic Cache paper's H2O.
+TEST_F(FakeEngineServiceTest, LookMAndTheH2OOptionsReachTheEngine) {
+  v1::ChatRequest req = Request();
+  auto* kv = req.mutable_kv_cache();
+  kv->set_policy(v1::CACHE_POLICY_ELASTIC);
+  kv->mutable_elastic()->set_variant(v1::ELASTIC_VARIANT_LOOK_M);
+  v1::ChatResponse resp;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub_->Chat(&ctx, req, &resp).ok());
+  CacheParams p = engine_.LastRequest().kv_cache;
+  EXPECT_EQ(p.elastic_variant, ElasticVariant::kLookM);
+  EXPECT_TRUE(p.elastic.text_prior);
+  EXPECT_EQ(p.elastic.merge_scope, MergeScope::kKey);
+  kv->mutable_elastic()->set_text_prior(false);
+  kv->mutable_elastic()->set_variant(v1::ELASTIC_VARIANT_PAPER);
+  kv->mutable_elastic()->set_importance(v1::IMPORTANCE_MODE_HYBRID);
+  kv->mutable_elastic()->set_merge_scope(v1::MERGE_SCOPE_KEY);
+  grpc::ClientContext set_ctx;
+  ASSERT_TRUE(stub_->Chat(&set_ctx, req, &resp).ok());
+  p = engine_.LastRequest().kv_cache;
+  EXPECT_FALSE(p.elastic.text_prior);
+  EXPECT_EQ(p.elastic.importance, ImportanceMode::kHybrid);
+  EXPECT_EQ(p.elastic.merge_scope, MergeScope::kKey);
+
+  kv->Clear();
+  kv->set_policy(v1::CACHE_POLICY_H2O);
+  grpc::ClientContext h2o_ctx;
+  ASSERT_TRUE(stub_->Chat(&h2o_ctx, req, &resp).ok());
+  EXPECT_TRUE(engine_.LastRequest().kv_cache.h2o.recent_window);
+  EXPECT_FALSE(engine_.LastRequest().kv_cache.h2o.shared_scores);
+  kv->mutable_h2o()->set_recent_window(false);
+  kv->mutable_h2o()->set_shared_scores(true);
+  grpc::ClientContext paper_ctx;
+  ASSERT_TRUE(stub_->Chat(&paper_ctx, req, &resp).ok());
+  EXPECT_FALSE(engine_.LastRequest().kv_cache.h2o.recent_window);
+  EXPECT_TRUE(engine_.LastRequest().kv_cache.h2o.shared_scores);
 }
 
 // SnapKV's window and kernel: the paper's unless set; out of range names the field.

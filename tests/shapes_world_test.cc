@@ -388,5 +388,34 @@ TEST(ShapesWorld, QuestionConversationsHaveTheAskedLength) {
   EXPECT_EQ(longest, 12);
 }
 
+TEST(ShapesWorld, OtherObjectConversationsAskAboutDisjointObjects) {
+  int made = 0, multi = 0;
+  for (uint64_t seed = 0; seed < 200; ++seed) {
+    Rng rng(seed);
+    const Scene s = SampleScene(rng);
+    const std::optional<std::vector<QA>> turns = AskAboutOtherObjects(s, rng);
+    if (s.objects.size() < 2) {
+      EXPECT_FALSE(turns.has_value()) << seed;
+      continue;
+    }
+    ++multi;
+    if (!turns) continue;
+    ++made;
+    ASSERT_EQ(turns->size(), 3u);
+    const std::vector<int> first = NamedObjects(s, turns->front().question);
+    const std::vector<int> last = NamedObjects(s, turns->back().question);
+    ASSERT_FALSE(first.empty()) << turns->front().question;
+    ASSERT_FALSE(last.empty()) << turns->back().question;
+    for (int o : first) {
+      EXPECT_EQ(std::count(last.begin(), last.end(), o), 0)
+          << turns->front().question << " / " << turns->back().question;
+    }
+    std::set<std::string> questions;
+    for (const QA& qa : *turns) EXPECT_TRUE(questions.insert(qa.question).second);
+  }
+  EXPECT_GT(multi, 100);
+  EXPECT_GE(made, multi * 9 / 10);  // nearly every scene of two objects or more has such a pair
+}
+
 }  // namespace
 }  // namespace llava::shapes

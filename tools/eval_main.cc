@@ -257,7 +257,8 @@ void WriteIntervals(const std::string& out,
 int main(int argc, char** argv) {
   CLI::App app{"Quality and memory of KV-cache policies (PPL, ROUGE-L, accuracy, bytes)"};
   std::string model_dir = LLAVA_DEFAULT_MODEL_DIR, dataset, out = "eval-out", dtype = "auto";
-  std::vector<std::string> policies = {"full", "elastic", "elastic+paper", "h2o", "streaming_llm"};
+  std::vector<std::string> policies = {"full",   "elastic", "elastic+paper", "h2o",
+                                       "snapkv", "lookm",   "streaming_llm"};
   std::vector<double> budgets = {1.0, 0.8, 0.5, 0.3, 0.2, 0.1};
   int max_tokens = 64, threads = 0, limit = 0, recent_distance = 0;
   app.add_option("--model", model_dir, "llava-hf model folder")->capture_default_str();

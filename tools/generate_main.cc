@@ -42,7 +42,8 @@ int main(int argc, char** argv) {
   app.add_option(
          "--policy", policy,
          "KV cache policy (" + llava::KvPolicyNames() +
-             ") with options, e.g. elastic+paper (engine/kv/cache_policy.h, ParseCacheSpec)")
+             " | lookm) with options, e.g. elastic+paper, h2o+paper (engine/kv/cache_policy.h, "
+             "ParseCacheSpec)")
       ->capture_default_str();
   app.add_option("--budget", kv.budget, "KV budget ratio gamma in (0, 1]")->capture_default_str();
   app.add_option("--recent-distance", recent_distance,

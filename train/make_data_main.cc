@@ -5,7 +5,9 @@
 //
 //   llava-make-data --split heldout --images 60 --out build/shapes-heldout
 //   -> images/00000.png ..., eval.jsonl with per image: two short questions (short_answer),
-//      every 2nd image a detailed description, every 4th image a three-turn conversation.
+//      every 2nd image a detailed description, every 4th image a three-turn conversation, and
+//      the 4th images that follow those a three-turn conversation whose last question is about
+//      other objects than its first (kind multiturn-other).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
@@ -87,6 +89,20 @@ int main(int argc, char** argv) {
       j["kind"] = qa.kind;
       return j;
     };
+    // The turns as a chat; the last question is the item's, its answer the reference.
+    auto conversation = [&](const std::vector<QA>& turns, const std::string& kind) {
+      nlohmann::ordered_json j = item(turns.back());
+      j.erase("prompt");
+      j["conversation"] = nlohmann::ordered_json::array();
+      for (size_t t = 0; t < turns.size(); ++t) {
+        j["conversation"].push_back({{"role", "user"}, {"content", turns[t].question}});
+        if (t + 1 < turns.size()) {
+          j["conversation"].push_back({{"role", "assistant"}, {"content", turns[t].answer}});
+        }
+      }
+      j["kind"] = kind;
+      return j;
+    };
     QA a = llava::shapes::AskShortQuestion(scene, rng), b;
     do b = llava::shapes::AskShortQuestion(scene, rng);
     while (b.question == a.question);
@@ -104,18 +120,15 @@ int main(int argc, char** argv) {
         for (const QA& t : turns) repeated |= t.question == qa.question;
         if (!repeated) turns.push_back(qa);
       }
-      nlohmann::ordered_json j = item(turns.back());
-      j.erase("prompt");
-      j["conversation"] = nlohmann::ordered_json::array();
-      for (size_t t = 0; t < turns.size(); ++t) {
-        j["conversation"].push_back({{"role", "user"}, {"content", turns[t].question}});
-        if (t + 1 < turns.size()) {
-          j["conversation"].push_back({{"role", "assistant"}, {"content", turns[t].answer}});
-        }
-      }
-      j["kind"] = "multiturn-" + turns.back().kind;
-      jsonl << j.dump() << "\n";
+      jsonl << conversation(turns, "multiturn-" + turns.back().kind).dump() << "\n";
       ++items;
+    }
+    // Drawn after everything above, so the earlier items of the split keep their bytes.
+    if (i % 4 == 2) {
+      if (std::optional<std::vector<QA>> turns = llava::shapes::AskAboutOtherObjects(scene, rng)) {
+        jsonl << conversation(*turns, "multiturn-other").dump() << "\n";
+        ++items;
+      }
     }
   }
   std::printf("wrote %d images and %d eval items to %s\n", images, items, out.c_str());

@@ -586,4 +586,27 @@ std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, const Conversat
   return turns;
 }
 
+std::optional<std::vector<QA>> AskAboutOtherObjects(const Scene& scene, Rng& rng) {
+  if (scene.objects.size() < 2) return std::nullopt;
+  auto disjoint = [](const std::vector<int>& a, const std::vector<int>& b) {
+    for (int x : a) {
+      if (std::find(b.begin(), b.end(), x) != b.end()) return false;
+    }
+    return true;
+  };
+  for (int tries = 0; tries < 64; ++tries) {
+    QA first = AskShortQuestion(scene, rng), last = AskShortQuestion(scene, rng);
+    const std::vector<int> a = NamedObjects(scene, first.question);
+    const std::vector<int> b = NamedObjects(scene, last.question);
+    if (a.empty() || b.empty() || !disjoint(a, b)) continue;
+    for (int m = 0; m < 16; ++m) {
+      QA middle = AskShortQuestion(scene, rng);
+      if (middle.question != first.question && middle.question != last.question) {
+        return std::vector<QA>{std::move(first), std::move(middle), std::move(last)};
+      }
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace llava::shapes

@@ -148,4 +148,12 @@ struct ConversationMix {
 // being read from the image.
 std::vector<QA> SampleConversation(const Scene& scene, Rng& rng, const ConversationMix& mix);
 
+// A held-out conversation whose last question is about other objects than its first: three
+// distinct short questions, the first and the last each naming at least one object
+// (NamedObjects) and no object named by both; the middle one is any other question. nullopt for
+// scenes of fewer than two objects or when no such pair turns up in a bounded number of draws.
+// It checks that a cache compressed for the last question has not lost what the first one
+// asked about, nor the reverse.
+std::optional<std::vector<QA>> AskAboutOtherObjects(const Scene& scene, Rng& rng);
+
 }  // namespace llava::shapes

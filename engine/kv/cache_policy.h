@@ -34,6 +34,8 @@ enum class MergeScope {
   kNearest,  // the nearest anchor by position, anywhere in the prompt (the paper)
   kSegment,  // the nearest anchor of its own segment (the same image, or the same text run);
              // dropped when its segment has no anchor
+  kKey,      // the kept, unpinned entry whose key is the most similar (cosine, summed over the
+             // KV heads; LOOK-M): the cache assigns it from the keys (MergePlan::merge_by_key)
 };
 
 // How Elastic picks a victim while decoding.
@@ -72,6 +74,9 @@ struct ElasticParams {
   // received more decode attention, weighted by both entries' attention, instead of dropped; the
   // neighbour keeps its key and adds the victim's attention to its own.
   bool decode_merge = false;
+  // LOOK-M's text prior: when anchors are chosen, every text entry ranks before every image
+  // entry (by importance within each group).
+  bool text_prior = false;
   // An ablation (llava-eval only): false keeps the same anchors and drops the other entries.
   bool merge = true;
 };
@@ -84,12 +89,23 @@ struct SnapKvParams {
   int kernel = 7;
 };
 
-// "paper": the method exactly as published (DESIGN.md 4.2), the reference.
-// "product": the service's default, measured in docs/POLICIES.md ("Elastic that keeps the
-// question"). The plain name `elastic` means "product".
-enum class ElasticVariant { kProduct, kPaper };
+// H2O's variants. Default: the H2O paper's (half heavy hitters, half the most recent entries,
+// scores per layer). `h2o+paper` is the baseline as the Elastic Cache paper's code runs it: no
+// recent window (the heavy hitters take the whole budget, the newest entry kept), one score per
+// position summed over every layer (so every layer keeps the same positions), 1 sink.
+struct H2OParams {
+  bool recent_window = true;
+  bool shared_scores = false;
+};
+
+// "paper": the method exactly as published (docs/ARCHITECTURE.md), the reference.
+// "product": the service's default, measured in docs/POLICIES.md. The plain name `elastic`
+// means "product". "lookm": LOOK-M (arXiv 2406.18139) expressed in these knobs, a baseline
+// (the policy name `lookm`): text prior, summed attention, every dropped entry averaged into the
+// kept entry with the most similar key; while decoding, the least-attended entry goes.
+enum class ElasticVariant { kProduct, kPaper, kLookM };
 ElasticParams ElasticPreset(ElasticVariant v);
-const char* ElasticVariantName(ElasticVariant v);  // "product", "paper"
+const char* ElasticVariantName(ElasticVariant v);  // "product", "paper", "lookm"
 
 struct CacheParams {
   CachePolicy policy = CachePolicy::kElastic;
@@ -99,6 +115,7 @@ struct CacheParams {
   ElasticVariant elastic_variant = ElasticVariant::kProduct;  // the preset `elastic` started from
   ElasticParams elastic = ElasticPreset(ElasticVariant::kProduct);  // Elastic only
   SnapKvParams snapkv;                                              // SnapKV only
+  H2OParams h2o;                                                    // H2O only
 
   int sinks() const;
   // True when the cache keeps every entry: Full, or any policy at budget 1.

@@ -252,7 +252,16 @@ MergePlan PlanElasticMerge(const std::vector<float>& importance, const CachePara
   const std::vector<int64_t> free_positions = candidates;
   const int64_t n_anchors =
       std::max<int64_t>(0, std::min<int64_t>(k - n_protected, candidates.size()));
+  std::vector<bool> is_text(t, true);  // the text prior's groups
+  if (e.text_prior) {
+    for (const PromptSegments::Span& image : segments.images) {
+      for (int64_t i = std::max<int64_t>(0, image.begin); i < std::min(image.end, t); ++i) {
+        is_text[i] = false;
+      }
+    }
+  }
   std::stable_sort(candidates.begin(), candidates.end(), [&](int64_t a, int64_t b) {
+    if (is_text[a] != is_text[b]) return static_cast<bool>(is_text[a]);
     return importance[a] > importance[b];  // stable: ties keep the earlier position first
   });
   std::vector<int64_t> anchors(candidates.begin(), candidates.begin() + n_anchors);
@@ -293,6 +302,7 @@ MergePlan PlanElasticMerge(const std::vector<float>& importance, const CachePara
     ++plan.merged;
   }
   plan.merge_keys = e.merge_keys;
+  plan.merge_by_key = e.merge_scope == MergeScope::kKey;
   if (e.weighted_merge && plan.merged > 0) {
     plan.weight.resize(t);
     for (int64_t i = 0; i < t; ++i) plan.weight[i] = std::max(0.f, importance[i]) + 1e-6f;

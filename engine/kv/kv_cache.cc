@@ -12,6 +12,32 @@
 namespace llava {
 namespace {
 
+// The mean over heads of the column sums of probs[:, begin:begin + rows, :] ([H, *, len]), in
+// fp32. On the CPU a loop over the rows: a prompt's policy reads every row's sums, and on short
+// prompts ATen's reduction and copies cost more than the sums themselves.
+std::vector<float> ColumnMeans(const at::Tensor& probs, int64_t begin, int64_t rows) {
+  const int64_t heads = probs.size(0), len = probs.size(2);
+  std::vector<float> out(len, 0.f);
+  if (probs.is_cpu() && probs.scalar_type() == at::kFloat && probs.stride(2) == 1) {
+    const float* p = probs.data_ptr<float>();
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t r = begin; r < begin + rows; ++r) {
+        const float* row = p + h * probs.stride(0) + r * probs.stride(1);
+        for (int64_t j = 0; j < len; ++j) out[j] += row[j];
+      }
+    }
+    for (float& x : out) x /= static_cast<float>(heads);
+    return out;
+  }
+  const at::Tensor sums = probs.narrow(1, begin, rows)
+                              .sum(at::IntArrayRef{0, 1})
+                              .div_(heads)
+                              .to(at::kCPU, at::kFloat)
+                              .contiguous();
+  std::copy(sums.data_ptr<float>(), sums.data_ptr<float>() + len, out.begin());
+  return out;
+}
+
 // Growable [kv_heads, capacity, head_dim] buffers for K and V of one layer: the unpooled Full
 // cache's (the trainer's).
 class LayerBuffer {
@@ -330,8 +356,7 @@ class PagedKvCache final : public KvCache {
       return probs.narrow(1, begin, rows).sum(at::IntArrayRef{0, 1}).div_(probs.size(0));
     };
     auto add = [&](int64_t first_row, int64_t begin, int64_t rows) {
-      prompt_scores_.push_back(
-          {layer, first_row, columns(begin, rows).to(at::kCPU, at::kFloat).contiguous()});
+      prompt_scores_.push_back({layer, first_row, ColumnMeans(probs, begin, rows)});
     };
     const int64_t rows = probs.size(1);
     if (prefilled_) {
@@ -398,12 +423,13 @@ class PagedKvCache final : public KvCache {
   // rows written to the first slots (the prompt's slots are in position order).
   void CompressPrompt(int l) {
     const int64_t t = len_[l];
-    const MergePlan plan = policy_->PlanPrompt(l, t);
+    MergePlan plan = policy_->PlanPrompt(l, t);
     merged_ += plan.merged;
     evicted_ += plan.dropped;
     const int64_t kept = static_cast<int64_t>(plan.kept.size());
     if (kept == t) return;                                // nothing to drop or merge
     const at::Tensor keys = Keys(l), values = Values(l);  // [Hkv, t, hd], copies
+    if (plan.merge_by_key && plan.merged > 0) AssignMergesByKey(keys, &plan);
     const at::Tensor index = at::tensor(plan.kept, at::kLong).to(keys.device());
     const bool merge = plan.merged > 0;
     table_.Write(l, false, 0,
@@ -420,7 +446,7 @@ class PagedKvCache final : public KvCache {
   // The prompt pass's column sums, in the order they were observed.
   void AddPromptScores() {
     for (const PromptScores& p : prompt_scores_) {
-      policy_->AddScores(p.layer, p.first_row, p.sums.data_ptr<float>(), p.sums.size(0));
+      policy_->AddScores(p.layer, p.first_row, p.sums.data(), static_cast<int64_t>(p.sums.size()));
     }
     prompt_scores_.clear();
   }
@@ -482,7 +508,7 @@ class PagedKvCache final : public KvCache {
   struct PromptScores {
     int layer;
     int64_t first_row;
-    at::Tensor sums;
+    std::vector<float> sums;
   };
   std::vector<PromptScores> prompt_scores_;
   std::vector<at::Tensor> pending_scores_;
@@ -560,6 +586,29 @@ at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan) {
     return out;
   }
   return MergeRowsReference(rows, plan);
+}
+
+void AssignMergesByKey(const at::Tensor& keys, MergePlan* plan) {
+  std::vector<int64_t> sources, targets;  // merged entries; kept, unpinned entries
+  for (int64_t k = 0; k < static_cast<int64_t>(plan->kept.size()); ++k) {
+    if (plan->pinned.empty() || !plan->pinned[k]) targets.push_back(plan->kept[k]);
+  }
+  for (int64_t i = 0; i < static_cast<int64_t>(plan->bucket.size()); ++i) {
+    const int64_t b = plan->bucket[i];
+    if (b >= 0 && plan->kept[b] != i) sources.push_back(i);
+  }
+  if (sources.empty() || targets.empty()) return;
+  const at::Device dev = keys.device();
+  const at::Tensor unit = keys.to(at::kFloat);  // [Hkv, T, hd]
+  const at::Tensor normed = unit / unit.norm(2, {2}, true).clamp_min(1e-12);
+  const at::Tensor src = normed.index_select(1, at::tensor(sources, at::kLong).to(dev));
+  const at::Tensor dst = normed.index_select(1, at::tensor(targets, at::kLong).to(dev));
+  // [S, K]: cosine similarity summed over the heads; the first maximum wins ties.
+  const at::Tensor best = at::matmul(src, dst.transpose(1, 2)).sum(0).argmax(1).to(at::kCPU);
+  const int64_t* b = best.data_ptr<int64_t>();
+  for (size_t s = 0; s < sources.size(); ++s) {
+    plan->bucket[sources[s]] = plan->bucket[targets[b[s]]];
+  }
 }
 
 at::Tensor MergeRowsReference(const at::Tensor& rows, const MergePlan& plan) {

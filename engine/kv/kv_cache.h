@@ -144,5 +144,10 @@ std::unique_ptr<KvCache> NewPolicyKvCache(KvPool* pool, const CacheParams& param
 at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan);
 // The same with tensor ops on any device (MergeRows uses it off the CPU; tests compare the two).
 at::Tensor MergeRowsReference(const at::Tensor& rows, const MergePlan& plan);
+// MergePlan::merge_by_key: every merged entry of `plan` (bucket >= 0, not kept) is re-assigned
+// to the bucket of the kept, unpinned entry whose key in `keys` [Hkv, T, hd] is the most
+// similar (cosine similarity summed over the heads; ties: the earlier entry). Unchanged when no
+// such entry is kept.
+void AssignMergesByKey(const at::Tensor& keys, MergePlan* plan);
 
 }  // namespace llava

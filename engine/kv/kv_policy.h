@@ -28,8 +28,11 @@ struct MergePlan {
                                 // when dropped
   std::vector<float> weight;    // [len] each entry's weight in its bucket's mean; empty: equal
   bool merge_keys = true;       // false: a kept entry keeps its own key; only values are averaged
-  std::vector<bool> pinned;     // [kept.size()] never evicted while decoding; empty: none
-  int64_t merged = 0;           // entries folded into another (the anchor not counted)
+  // true: the cache re-assigns every merged entry to the kept, unpinned entry whose key is the
+  // most similar (AssignMergesByKey); `bucket` is the fallback where none is kept.
+  bool merge_by_key = false;
+  std::vector<bool> pinned;  // [kept.size()] never evicted while decoding; empty: none
+  int64_t merged = 0;        // entries folded into another (the anchor not counted)
   int64_t dropped = 0;
 };
 
