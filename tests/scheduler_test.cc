@@ -41,15 +41,18 @@ TEST(SteadyEntries, FullAndCompressed) {
   EXPECT_EQ(SteadyEntries(400, 1000, Kv(CachePolicy::kH2O, 0.5)), 700);
 }
 
-// The product Elastic never drops its instruction: a 30-token instruction plus BOS and the
-// newest entry outweigh a 2% budget, and admission counts them.
+// Elastic with `protect_instruction` (off by default) pins a 30-token instruction, but the pins
+// get at most half of the budget, so admission counts the budget; sinks beyond it are counted.
 TEST(SteadyEntries, CountsTheProtectedInstruction) {
   PromptSegments segments;
   segments.images = {{5, 570}};
   segments.instruction = {570, 600};
+  CacheParams pinned = Kv(CachePolicy::kElastic, 0.02);
+  pinned.elastic.protect_instruction = true;
   // 0.02: the pins get half of ceil(0.02 * 600) = 12, so they never exceed the budget.
-  EXPECT_EQ(SteadyEntries(600, 200, Kv(CachePolicy::kElastic, 0.02), segments), 16);
-  EXPECT_EQ(SteadyEntries(600, 200, Kv(CachePolicy::kElastic, 0.2), segments), 160);
+  EXPECT_EQ(SteadyEntries(600, 200, pinned, segments), 16);
+  pinned.budget = 0.2;
+  EXPECT_EQ(SteadyEntries(600, 200, pinned, segments), 160);
   // Sinks beyond the budget do: 40 sinks at ceil(0.02 * 800) = 16.
   CacheParams sinks = Kv(CachePolicy::kElastic, 0.02);
   sinks.sink_tokens = 40;
