@@ -262,6 +262,22 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
       return InvalidArgument("kv_cache.elastic.merge_scope " + std::to_string(e.merge_scope()) +
                              " is unknown");
   }
+  switch (e.key_merge()) {
+    case v1::KEY_MERGE_UNSPECIFIED:
+      break;
+    case v1::KEY_MERGE_AVERAGED:
+      cp.elastic.key_merge = KeyMerge::kAveraged;
+      break;
+    case v1::KEY_MERGE_PIVOTAL:
+      cp.elastic.key_merge = KeyMerge::kPivotal;
+      break;
+    case v1::KEY_MERGE_WEIGHTED:
+      cp.elastic.key_merge = KeyMerge::kWeighted;
+      break;
+    default:
+      return InvalidArgument("kv_cache.elastic.key_merge " + std::to_string(e.key_merge()) +
+                             " is unknown");
+  }
   switch (e.eviction()) {
     case v1::DECODE_EVICTION_UNSPECIFIED:
       break;

@@ -525,6 +525,16 @@ TEST(ParseCacheSpec, PresetsAndOptions) {
   EXPECT_FALSE(p->elastic.text_prior);
   EXPECT_EQ(p->elastic.merge_scope, MergeScope::kNearest);
   EXPECT_FALSE(ParseCacheSpec("lookmx").ok());
+  EXPECT_EQ(ParseCacheSpec("lookm").value().elastic.key_merge, KeyMerge::kAveraged);
+  EXPECT_EQ(ParseCacheSpec("lookm+key_merge=pivotal").value().elastic.key_merge,
+            KeyMerge::kPivotal);
+  EXPECT_EQ(ParseCacheSpec("lookm+key_merge=weighted").value().elastic.key_merge,
+            KeyMerge::kWeighted);
+  p = ParseCacheSpec("lookm+key_merge=median");
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("kv_cache.elastic.key_merge 'median' is unknown"),
+            std::string::npos)
+      << p.status().message();
   p = ParseCacheSpec("elastic+age_exp=0.5");
   ASSERT_TRUE(p.ok());
   EXPECT_FLOAT_EQ(p->elastic.evict_age_exponent, 0.5f);

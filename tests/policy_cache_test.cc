@@ -100,6 +100,56 @@ TEST(AssignMergesByKey, EachMergedEntryJoinsTheMostSimilarKeptKey) {
   EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, 0, -1, 0, -1}));
 }
 
+// LOOK-M's pivotal and weighted merges, by hand. One head, head dim 2; kept {0, 2}; 1 and 3 are
+// merged. Keys: 0 (1, 0); 1 (1, 1); 2 (0, 1); 3 (0.6, 0.8). Cosines to 0 | 2: entry 1 0.7071 |
+// 0.7071 (tie: 0); entry 3 0.6 | 0.8 (-> 2). Values: the keys times 10.
+TEST(AssignMergesByKey, PivotalAndWeightedMergesFollowLookM) {
+  const at::Tensor keys = at::tensor({1.f, 0.f, 1.f, 1.f, 0.f, 1.f, 0.6f, 0.8f}).view({1, 4, 2});
+  const at::Tensor values = keys * 10;
+  auto plan_for = [](KeyMerge how) {
+    MergePlan plan;
+    plan.kept = {0, 2};
+    plan.bucket = {0, 0, 1, 1};
+    plan.merged = 2;
+    plan.merge_by_key = true;
+    plan.key_merge = how;
+    return plan;
+  };
+  MergePlan averaged = plan_for(KeyMerge::kAveraged);
+  AssignMergesByKey(keys, &averaged);
+  EXPECT_TRUE(averaged.weight.empty());
+  EXPECT_FALSE(averaged.divide_by_count);
+  // Pivotal: each pivot has one merged entry, weights 1 + 1/2 and 1/2: value 0 is
+  // (1.5 * (10, 0) + 0.5 * (10, 10)) / 2 = (10, 2.5); value 2 (1.5 * (0, 10) + 0.5 * (6, 8)) / 2
+  // = (1.5, 9.5).
+  MergePlan pivotal = plan_for(KeyMerge::kPivotal);
+  AssignMergesByKey(keys, &pivotal);
+  EXPECT_EQ(pivotal.bucket, (std::vector<int64_t>{0, 0, 1, 1}));
+  ASSERT_EQ(pivotal.weight.size(), 4u);
+  EXPECT_FLOAT_EQ(pivotal.weight[0], 1.5f);
+  EXPECT_FLOAT_EQ(pivotal.weight[1], 0.5f);
+  EXPECT_FLOAT_EQ(pivotal.weight[2], 1.5f);
+  EXPECT_FLOAT_EQ(pivotal.weight[3], 0.5f);
+  const at::Tensor want_pivotal = at::tensor({10.f, 2.5f, 1.5f, 9.5f}).view({1, 2, 2});
+  EXPECT_TRUE(at::allclose(MergeRows(values, pivotal), want_pivotal, 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(MergeRowsReference(values, pivotal), want_pivotal, 1e-5, 1e-5));
+  // Weighted: merged entries weigh their cosine, the sum divided by 2 (not by 1 + cosine):
+  // value 0 is ((10, 0) + 0.7071 * (10, 10)) / 2 = (8.5355, 3.5355); value 2 is
+  // ((0, 10) + 0.8 * (6, 8)) / 2 = (2.4, 8.2).
+  MergePlan weighted = plan_for(KeyMerge::kWeighted);
+  AssignMergesByKey(keys, &weighted);
+  EXPECT_TRUE(weighted.divide_by_count);
+  ASSERT_EQ(weighted.weight.size(), 4u);
+  EXPECT_NEAR(weighted.weight[1], 0.70711f, 1e-5);
+  EXPECT_NEAR(weighted.weight[3], 0.8f, 1e-6);
+  EXPECT_FLOAT_EQ(weighted.weight[0], 1.f);
+  const at::Tensor want_weighted = at::tensor({8.5355f, 3.5355f, 2.4f, 8.2f}).view({1, 2, 2});
+  EXPECT_TRUE(at::allclose(MergeRows(values, weighted), want_weighted, 1e-4, 1e-4));
+  EXPECT_TRUE(at::allclose(MergeRowsReference(values, weighted), want_weighted, 1e-4, 1e-4));
+  EXPECT_TRUE(at::allclose(MergeRows(values.to(at::kBFloat16), weighted).to(at::kFloat),
+                           want_weighted, 5e-2, 5e-2));
+}
+
 // One layer, one head of width 2, fp32: for caches fed hand-made attention.
 KvLayout OneLayerLayout() {
   KvLayout layout;

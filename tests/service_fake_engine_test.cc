@@ -242,6 +242,18 @@ TEST_F(FakeEngineServiceTest, LookMAndTheH2OOptionsReachTheEngine) {
   EXPECT_EQ(p.elastic_variant, ElasticVariant::kLookM);
   EXPECT_TRUE(p.elastic.text_prior);
   EXPECT_EQ(p.elastic.merge_scope, MergeScope::kKey);
+  EXPECT_EQ(p.elastic.key_merge, KeyMerge::kAveraged);
+  kv->mutable_elastic()->set_key_merge(v1::KEY_MERGE_PIVOTAL);
+  grpc::ClientContext pivotal_ctx;
+  ASSERT_TRUE(stub_->Chat(&pivotal_ctx, req, &resp).ok());
+  EXPECT_EQ(engine_.LastRequest().kv_cache.elastic.key_merge, KeyMerge::kPivotal);
+  kv->mutable_elastic()->set_key_merge(static_cast<v1::KeyMerge>(9));
+  grpc::ClientContext bad_ctx;
+  const grpc::Status bad = stub_->Chat(&bad_ctx, req, &resp);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.error_message().find("kv_cache.elastic.key_merge"), std::string::npos)
+      << bad.error_message();
+  kv->mutable_elastic()->set_key_merge(v1::KEY_MERGE_WEIGHTED);
   kv->mutable_elastic()->set_text_prior(false);
   kv->mutable_elastic()->set_variant(v1::ELASTIC_VARIANT_PAPER);
   kv->mutable_elastic()->set_importance(v1::IMPORTANCE_MODE_HYBRID);
@@ -252,6 +264,7 @@ TEST_F(FakeEngineServiceTest, LookMAndTheH2OOptionsReachTheEngine) {
   EXPECT_FALSE(p.elastic.text_prior);
   EXPECT_EQ(p.elastic.importance, ImportanceMode::kHybrid);
   EXPECT_EQ(p.elastic.merge_scope, MergeScope::kKey);
+  EXPECT_EQ(p.elastic.key_merge, KeyMerge::kWeighted);
 
   kv->Clear();
   kv->set_policy(v1::CACHE_POLICY_H2O);

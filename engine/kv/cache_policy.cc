@@ -31,7 +31,8 @@ ElasticParams ElasticPreset(ElasticVariant v) {
     // entries by the attention every prompt query gave them; each dropped entry's key and value
     // averaged (plain mean) into the kept entry with the most similar key. LOOK-M compresses
     // once and lets the answer grow; at equal bytes the answer's entries are evicted as H2O
-    // does (the least decode attention; docs/POLICIES.md, "LOOK-M").
+    // does (the least decode attention; docs/POLICIES.md, "LOOK-M"). Its pivotal and weighted
+    // merges: `lookm+key_merge=pivotal` and `=weighted`.
     p.text_prior = true;
     p.importance = ImportanceMode::kSum;
     p.merge_scope = MergeScope::kKey;
@@ -159,6 +160,23 @@ StatusOr<MergeScope> ParseMergeScope(std::string_view name) {
   return ParseEnum(name, "kv_cache.elastic.merge_scope", kAll, MergeScopeName);
 }
 
+const char* KeyMergeName(KeyMerge m) {
+  switch (m) {
+    case KeyMerge::kAveraged:
+      return "averaged";
+    case KeyMerge::kPivotal:
+      return "pivotal";
+    case KeyMerge::kWeighted:
+      return "weighted";
+  }
+  return "?";
+}
+
+StatusOr<KeyMerge> ParseKeyMerge(std::string_view name) {
+  static constexpr KeyMerge kAll[] = {KeyMerge::kAveraged, KeyMerge::kPivotal, KeyMerge::kWeighted};
+  return ParseEnum(name, "kv_cache.elastic.key_merge", kAll, KeyMergeName);
+}
+
 StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& base) {
   if (spec == "elastic_drop") return ParseCacheSpec("elastic+paper+merge=0", base);
   if (spec == "elastic_mean") return ParseCacheSpec("elastic+paper+importance=mean", base);
@@ -224,6 +242,8 @@ StatusOr<CacheParams> ParseCacheSpec(std::string_view spec, const CacheParams& b
       LLAVA_ASSIGN_OR_RETURN(e.importance, ParseImportanceMode(v));
     } else if (key == "merge_scope") {
       LLAVA_ASSIGN_OR_RETURN(e.merge_scope, ParseMergeScope(v));
+    } else if (key == "key_merge") {
+      LLAVA_ASSIGN_OR_RETURN(e.key_merge, ParseKeyMerge(v));
     } else if (key == "merge_keys") {
       LLAVA_ASSIGN_OR_RETURN(e.merge_keys, flag(key, v));
     } else if (key == "weighted") {

@@ -37,6 +37,14 @@ enum class MergeScope {
   kKey,      // the kept, unpinned entry whose key is the most similar (cosine, summed over the
              // KV heads; LOOK-M): the cache assigns it from the keys (MergePlan::merge_by_key)
 };
+// How MergeScope::kKey combines a kept entry (the pivot) with the n dropped entries assigned to
+// it, LOOK-M's three merges (its code's formulas; s_e is e's cosine similarity to the pivot's
+// key, the mean over the KV heads):
+enum class KeyMerge {
+  kAveraged,  // (pivot + sum e) / (n + 1)
+  kPivotal,   // the mean of the pivot and each (e + pivot) / 2: weights 1 + n/2 and 1/2 each
+  kWeighted,  // (pivot + sum s_e * e) / (n + 1): not renormalised by the weights
+};
 
 // How Elastic picks a victim while decoding.
 enum class DecodeEviction {
@@ -77,6 +85,7 @@ struct ElasticParams {
   // LOOK-M's text prior: when anchors are chosen, every text entry ranks before every image
   // entry (by importance within each group).
   bool text_prior = false;
+  KeyMerge key_merge = KeyMerge::kAveraged;  // with MergeScope::kKey
   // An ablation (llava-eval only): false keeps the same anchors and drops the other entries.
   bool merge = true;
 };
@@ -145,7 +154,9 @@ const char* PositionModeName(PositionMode m);  // "original", "compressed"
 StatusOr<PositionMode> ParsePositionMode(std::string_view name);
 const char* ImportanceModeName(ImportanceMode m);  // "sum", "mean", "instruction", "hybrid"
 StatusOr<ImportanceMode> ParseImportanceMode(std::string_view name);
-const char* MergeScopeName(MergeScope s);          // "nearest", "segment"
+const char* MergeScopeName(MergeScope s);  // "nearest", "segment", "key"
+const char* KeyMergeName(KeyMerge m);      // "averaged", "pivotal", "weighted"
+StatusOr<KeyMerge> ParseKeyMerge(std::string_view name);
 const char* DecodeEvictionName(DecodeEviction e);  // "fixed_point", "scored"
 StatusOr<DecodeEviction> ParseDecodeEviction(std::string_view name);
 StatusOr<MergeScope> ParseMergeScope(std::string_view name);

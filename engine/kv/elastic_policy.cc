@@ -303,6 +303,7 @@ MergePlan PlanElasticMerge(const std::vector<float>& importance, const CachePara
   }
   plan.merge_keys = e.merge_keys;
   plan.merge_by_key = e.merge_scope == MergeScope::kKey;
+  plan.key_merge = e.key_merge;
   if (e.weighted_merge && plan.merged > 0) {
     plan.weight.resize(t);
     for (int64_t i = 0; i < t; ++i) plan.weight[i] = std::max(0.f, importance[i]) + 1e-6f;

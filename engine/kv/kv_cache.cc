@@ -562,7 +562,7 @@ void MergeRowsCpu(const at::Tensor& rows, const MergePlan& plan, const at::Tenso
       const T* row = src + h * rows.stride(0) + i * rows.stride(1);
       float* a = acc.data() + b * hd;
       for (int64_t d = 0; d < hd; ++d) a[d] += w * static_cast<float>(row[d]);
-      total[b] += w;
+      total[b] += plan.divide_by_count ? 1.f : w;
     }
     for (int64_t b = 0; b < k; ++b) {
       T* row = dst + h * out.stride(0) + b * out.stride(1);
@@ -604,10 +604,27 @@ void AssignMergesByKey(const at::Tensor& keys, MergePlan* plan) {
   const at::Tensor src = normed.index_select(1, at::tensor(sources, at::kLong).to(dev));
   const at::Tensor dst = normed.index_select(1, at::tensor(targets, at::kLong).to(dev));
   // [S, K]: cosine similarity summed over the heads; the first maximum wins ties.
-  const at::Tensor best = at::matmul(src, dst.transpose(1, 2)).sum(0).argmax(1).to(at::kCPU);
-  const int64_t* b = best.data_ptr<int64_t>();
+  const auto [sim, best] = at::matmul(src, dst.transpose(1, 2)).sum(0).max(1);
+  const at::Tensor sim_host = sim.to(at::kCPU).div_(static_cast<double>(keys.size(0)));
+  const at::Tensor best_host = best.to(at::kCPU);
+  const float* s_e = sim_host.data_ptr<float>();
+  const int64_t* b = best_host.data_ptr<int64_t>();
   for (size_t s = 0; s < sources.size(); ++s) {
     plan->bucket[sources[s]] = plan->bucket[targets[b[s]]];
+  }
+  if (plan->key_merge == KeyMerge::kAveraged) return;
+  // KeyMerge's weights replace any the plan had. Pivotal: the pivot 1 + n/2, each merged 1/2.
+  // Weighted: each merged entry its mean cosine similarity, the pivot 1, divided by n + 1.
+  const int64_t len = static_cast<int64_t>(plan->bucket.size());
+  plan->weight.assign(len, 1.f);
+  if (plan->key_merge == KeyMerge::kWeighted) {
+    plan->divide_by_count = true;
+    for (size_t s = 0; s < sources.size(); ++s) plan->weight[sources[s]] = s_e[s];
+    return;
+  }
+  for (size_t s = 0; s < sources.size(); ++s) {
+    plan->weight[sources[s]] = 0.5f;
+    plan->weight[plan->kept[plan->bucket[sources[s]]]] += 0.5f;
   }
 }
 
@@ -627,12 +644,13 @@ at::Tensor MergeRowsReference(const at::Tensor& rows, const MergePlan& plan) {
   at::Tensor dst_idx = at::tensor(dst, at::kLong).to(dev);
   at::Tensor selected = rows.index_select(1, at::tensor(src, at::kLong).to(dev)).to(at::kFloat);
   at::Tensor total = at::zeros({k}, rows.options().dtype(at::kFloat));
-  if (plan.weight.empty()) {
+  if (plan.weight.empty() || plan.divide_by_count) {
     total.index_add_(0, dst_idx, at::ones({static_cast<int64_t>(dst.size())}, total.options()));
-  } else {
+  }
+  if (!plan.weight.empty()) {
     at::Tensor wt = at::tensor(w, at::kFloat).to(dev);
     selected.mul_(wt.view({1, -1, 1}));
-    total.index_add_(0, dst_idx, wt);
+    if (!plan.divide_by_count) total.index_add_(0, dst_idx, wt);
   }
   at::Tensor sum = at::zeros({rows.size(0), k, rows.size(2)}, selected.options());
   sum.index_add_(1, dst_idx, selected);

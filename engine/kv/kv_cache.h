@@ -140,14 +140,15 @@ std::unique_ptr<KvCache> NewPolicyKvCache(KvPool* pool, const CacheParams& param
                                           const PromptSegments& segments = {});
 
 // The prompt merge of one layer's rows: rows [Hkv, T, hd] -> [Hkv, plan.kept.size(), hd], each
-// kept entry the mean (plain, or weighted by plan.weight; computed in fp32) of its bucket.
+// kept entry the mean (plain, or weighted by plan.weight; computed in fp32) of its bucket
+// (divided by the bucket's size instead of its weights with plan.divide_by_count).
 at::Tensor MergeRows(const at::Tensor& rows, const MergePlan& plan);
 // The same with tensor ops on any device (MergeRows uses it off the CPU; tests compare the two).
 at::Tensor MergeRowsReference(const at::Tensor& rows, const MergePlan& plan);
 // MergePlan::merge_by_key: every merged entry of `plan` (bucket >= 0, not kept) is re-assigned
 // to the bucket of the kept, unpinned entry whose key in `keys` [Hkv, T, hd] is the most
-// similar (cosine similarity summed over the heads; ties: the earlier entry). Unchanged when no
-// such entry is kept.
+// similar (cosine similarity summed over the heads; ties: the earlier entry), and weighted as
+// plan->key_merge says (KeyMerge). Unchanged when no such entry is kept.
 void AssignMergesByKey(const at::Tensor& keys, MergePlan* plan);
 
 }  // namespace llava

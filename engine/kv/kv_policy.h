@@ -27,10 +27,15 @@ struct MergePlan {
   std::vector<int64_t> bucket;  // [len] index into `kept` each entry is averaged into, or -1
                                 // when dropped
   std::vector<float> weight;    // [len] each entry's weight in its bucket's mean; empty: equal
-  bool merge_keys = true;       // false: a kept entry keeps its own key; only values are averaged
+  // true: a bucket's weighted sum is divided by its number of entries, not by the sum of its
+  // weights (KeyMerge::kWeighted).
+  bool divide_by_count = false;
+  bool merge_keys = true;  // false: a kept entry keeps its own key; only values are averaged
   // true: the cache re-assigns every merged entry to the kept, unpinned entry whose key is the
-  // most similar (AssignMergesByKey); `bucket` is the fallback where none is kept.
+  // most similar (AssignMergesByKey), and combines them as key_merge says; `bucket` is the
+  // fallback where none is kept.
   bool merge_by_key = false;
+  KeyMerge key_merge = KeyMerge::kAveraged;
   std::vector<bool> pinned;  // [kept.size()] never evicted while decoding; empty: none
   int64_t merged = 0;        // entries folded into another (the anchor not counted)
   int64_t dropped = 0;
