@@ -23,6 +23,7 @@
 #include "engine/kernels/cpu_features.h"
 #include "engine/kernels/cpu_gemv.h"
 #include "engine/kernels/decode_attention.h"
+#include "engine/kernels/quant_gemv.h"
 #include "engine/kernels/runtime.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/kv/kv_pool.h"
@@ -429,6 +430,57 @@ void MatmulSuite(int reps, int threads) {
   }
 }
 
+// The decode products with quantized weights (engine/kernels/quant_gemv.h) against bf16
+// (llava::Linear) at LLaVA-7B's decode shapes: milliseconds per product and the weight bytes
+// streamed per second. Decoding is bound by those bytes, so the ratio to bf16 is the speed-up a
+// decode step can get from each format. Medians of reps.
+void QuantSuite(int reps) {
+  struct Shape {
+    const char* name;
+    int64_t m, n, k;
+  };
+  const Shape shapes[] = {
+      {"7b.qkv.decode1", 1, 12288, 4096},      {"7b.gate_up.decode1", 1, 22016, 4096},
+      {"7b.down.decode1", 1, 4096, 11008},     {"7b.lm_head.decode1", 1, 32064, 4096},
+      {"7b.gate_up.decode8", 8, 22016, 4096},  {"7b.down.decode8", 8, 4096, 11008},
+      {"small.gate_up.decode1", 1, 1376, 256}, {"small.down.decode8", 8, 256, 688},
+  };
+  for (const Shape& sh : shapes) {
+    const at::Tensor wf = at::randn({sh.n, sh.k}) * 0.05;
+    const llava::Linear lin{wf.to(at::kBFloat16), at::Tensor()};
+    const at::Tensor x = at::randn({sh.m, sh.k}).to(at::kBFloat16);
+    at::Tensor y = at::empty({sh.m, sh.n}, at::kBFloat16);
+    const int inner = std::max<int64_t>(1, static_cast<int64_t>(4e8 / (sh.n * sh.k)));
+    auto ms = [&](auto&& f) {
+      std::vector<double> runs;
+      f();  // warm-up
+      for (int r = 0; r < reps; ++r) {
+        const auto t0 = Clock::now();
+        for (int i = 0; i < inner; ++i) f();
+        runs.push_back(Seconds(t0) * 1e3 / inner);
+      }
+      return Median(runs);
+    };
+    const double bf16_ms = ms([&] { (void)lin(x); });
+    std::printf("suite=quant shape=%s m=%lld n=%lld k=%lld format=bf16 ms=%.3f weight_gbps=%.1f\n",
+                sh.name, static_cast<long long>(sh.m), static_cast<long long>(sh.n),
+                static_cast<long long>(sh.k), bf16_ms, 2.0 * sh.n * sh.k / bf16_ms / 1e6);
+    for (llava::WeightFormat f : {llava::WeightFormat::kInt8, llava::WeightFormat::kInt4}) {
+      auto q = llava::QuantizeMatrix(wf.data_ptr<float>(), sh.n, sh.k, f);
+      if (!q.ok()) throw std::runtime_error(q.status().ToString());
+      const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+      auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+      const double q_ms = ms([&] { llava::QuantGemv(xp, *q, nullptr, yp, sh.m); });
+      std::printf(
+          "suite=quant shape=%s m=%lld n=%lld k=%lld format=%s ms=%.3f weight_gbps=%.1f "
+          "speedup_vs_bf16=%.2f\n",
+          sh.name, static_cast<long long>(sh.m), static_cast<long long>(sh.n),
+          static_cast<long long>(sh.k), llava::WeightFormatName(f), q_ms,
+          static_cast<double>(q->bytes()) / q_ms / 1e6, bf16_ms / q_ms);
+    }
+  }
+}
+
 // One decode step's attention outside the model: `batch` sequences, each with a bf16 cache of
 // `len` rows per layer (2 KV heads of 64, 4 query heads: the default model's shapes), one
 // DecodeAttention call per layer. Prints ms per step (median of reps) and the cache bytes read
@@ -524,9 +576,10 @@ int main(int argc, char** argv) {
   app.add_option("--suite", suite,
                  "decoder (issue 2 numbers) | policies (Elastic vs Full) | paper (the paper's "
                  "throughput experiment: --prompt, --answer, --batches, Full vs Elastic 0.2) | "
-                 "matmul (bf16 GEMM kernels at prefill shapes) | attention (decode attention "
-                 "kernel: --batches, --context rows, --layers)")
-      ->check(CLI::IsMember({"decoder", "policies", "paper", "matmul", "attention"}))
+                 "matmul (bf16 GEMM kernels at prefill shapes) | quant (int8 and int4 decode "
+                 "products against bf16) | attention (decode attention kernel: --batches, "
+                 "--context rows, --layers)")
+      ->check(CLI::IsMember({"decoder", "policies", "paper", "matmul", "quant", "attention"}))
       ->capture_default_str();
   int answer = 512, max_batch = 128;
   double kv_budget_gb = 0, gamma = 0.2;
@@ -571,7 +624,7 @@ int main(int argc, char** argv) {
                 llava::DecodeAttentionRunsOn(device) ? "one batched kernel per layer"
                                                      : "ATen, one sequence at a time");
   }
-  if (!device.is_cpu() && (suite == "matmul" || suite == "attention")) {
+  if (!device.is_cpu() && (suite == "matmul" || suite == "quant" || suite == "attention")) {
     std::fprintf(stderr, "--suite %s measures the CPU kernels: --device must be cpu\n",
                  suite.c_str());
     return 1;
@@ -584,6 +637,10 @@ int main(int argc, char** argv) {
 
   if (suite == "attention") {
     for (int b : batches) AttentionSuite(std::max(3, reps), b, context, layers);
+    return 0;
+  }
+  if (suite == "quant") {
+    QuantSuite(std::max(5, reps));
     return 0;
   }
   if (suite == "matmul") {

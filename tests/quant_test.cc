@@ -108,9 +108,9 @@ TEST(Quantize, EveryWeightWithinHalfAStepOfItsGroup) {
 
 TEST(Quantize, RejectsShapesAndFormatsItCannotQuantize) {
   std::vector<float> w(48, 1.f);
-  auto q = QuantizeMatrix(w.data(), 1, 48, WeightFormat::kInt8);
+  auto q = QuantizeMatrix(w.data(), 0, 48, WeightFormat::kInt8);
   ASSERT_FALSE(q.ok());
-  EXPECT_NE(q.status().message().find("[1, 48]"), std::string::npos) << q.status().message();
+  EXPECT_NE(q.status().message().find("[0, 48]"), std::string::npos) << q.status().message();
   EXPECT_FALSE(QuantizeMatrix(w.data(), 1, 32, WeightFormat::kBf16).ok());
   EXPECT_EQ(ParseWeightFormat("int4").value(), WeightFormat::kInt4);
   auto bad = ParseWeightFormat("int3");
@@ -122,6 +122,36 @@ TEST(Quantize, RejectsShapesAndFormatsItCannotQuantize) {
   ASSERT_TRUE(z.ok());
   DequantizeRow(*z, 0, back.data());
   for (float v : back) EXPECT_EQ(v, 0.f);
+}
+
+// A row of 40 weights: one whole group and a short one of 8, stored padded to 64. The short
+// group's scale comes from its own 8 weights (not from padding zeros), the padding is 0 (int8)
+// or the minimum's nibble 0 (int4), and the dequantized row has the 40 weights only.
+TEST(Quantize, AShortLastGroupTakesItsRangeFromItsOwnWeights) {
+  std::vector<float> w(2 * 40);
+  for (int i = 0; i < 80; ++i) w[i] = i % 40 < 32 ? 0.5f : 10.f + (i % 40 - 32);  // 10 .. 17
+  for (WeightFormat f : {WeightFormat::kInt8, WeightFormat::kInt4}) {
+    auto q = QuantizeMatrix(w.data(), 2, 40, f);
+    ASSERT_TRUE(q.ok()) << q.status().ToString();
+    EXPECT_EQ(q->groups_per_row(), 2);
+    EXPECT_EQ(q->padded_cols(), 64);
+    ASSERT_EQ(q->scale.size(), 4u);
+    if (f == WeightFormat::kInt8) {
+      EXPECT_EQ(q->scale[1], FloatToHalf(17.f / 127.f));
+      const auto* v = reinterpret_cast<const int8_t*>(q->data.data());
+      for (int i = 40; i < 64; ++i) EXPECT_EQ(v[i], 0) << i;
+    } else {
+      EXPECT_EQ(q->min[1], FloatToHalf(10.f));               // not 0 from the padding
+      EXPECT_EQ(q->scale[1], FloatToHalf(7.f / 15.f));       // (17 - 10) / 15
+      EXPECT_EQ(q->data[32 / 2 + 8] & 0xF, 0) << "padding";  // position 8 of group 1
+    }
+    std::vector<float> back(41, -99.f);
+    DequantizeRow(*q, 1, back.data());
+    EXPECT_EQ(back[40], -99.f) << "wrote past cols";
+    for (int i = 0; i < 40; ++i) {
+      EXPECT_NEAR(back[i], w[40 + i], HalfToFloat(q->scale[2 + i / 32]) / 2 + 1e-3f) << i;
+    }
+  }
 }
 
 }  // namespace

@@ -62,71 +62,76 @@ StatusOr<QuantizedMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t c
   if (format != WeightFormat::kInt8 && format != WeightFormat::kInt4) {
     return InvalidArgument(std::string("cannot quantize to ") + WeightFormatName(format));
   }
-  if (rows < 1 || cols < 1 || cols % kQuantGroup != 0) {
+  if (rows < 1 || cols < 1) {
     return InvalidArgument("cannot quantize a [" + std::to_string(rows) + ", " +
-                           std::to_string(cols) + "] matrix: its columns must be a multiple of " +
-                           std::to_string(kQuantGroup));
+                           std::to_string(cols) + "] matrix");
   }
   QuantizedMatrix q;
   q.format = format;
   q.rows = rows;
   q.cols = cols;
-  const int64_t groups = rows * (cols / kQuantGroup);
-  q.scale.resize(groups);
+  const int64_t per_row = q.groups_per_row();
   const bool int4 = format == WeightFormat::kInt4;
-  q.data.resize(int4 ? rows * cols / 2 : rows * cols);
-  if (int4) q.min.resize(groups);
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* x = w + g * kQuantGroup;
-    if (!int4) {
-      float amax = 0;
-      for (int64_t i = 0; i < kQuantGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
-      q.scale[g] = FloatToHalf(amax / 127.f);
+  q.scale.resize(rows * per_row);
+  q.data.assign(rows * q.row_bytes(), 0);
+  if (int4) q.min.resize(rows * per_row);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < per_row; ++c) {
+      const int64_t g = r * per_row + c;
+      const float* x = w + r * cols + c * kQuantGroup;
+      const int64_t n = std::min(kQuantGroup, cols - c * kQuantGroup);  // real weights
+      if (!int4) {
+        float amax = 0;
+        for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+        q.scale[g] = FloatToHalf(amax / 127.f);
+        const float d = HalfToFloat(q.scale[g]);
+        const float inv = d > 0 ? 1.f / d : 0.f;
+        int8_t* out = reinterpret_cast<int8_t*>(q.data.data()) + g * kQuantGroup;
+        for (int64_t i = 0; i < n; ++i) {
+          out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+        }
+        continue;
+      }
+      float lo = x[0], hi = x[0];
+      for (int64_t i = 1; i < n; ++i) {
+        lo = std::min(lo, x[i]);
+        hi = std::max(hi, x[i]);
+      }
+      q.min[g] = FloatToHalf(lo);
+      const float m = HalfToFloat(q.min[g]);
+      q.scale[g] = FloatToHalf((hi - m) / 15.f);
       const float d = HalfToFloat(q.scale[g]);
       const float inv = d > 0 ? 1.f / d : 0.f;
-      int8_t* out = reinterpret_cast<int8_t*>(q.data.data()) + g * kQuantGroup;
-      for (int64_t i = 0; i < kQuantGroup; ++i) {
-        out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
-      }
-      continue;
-    }
-    float lo = x[0], hi = x[0];
-    for (int64_t i = 1; i < kQuantGroup; ++i) {
-      lo = std::min(lo, x[i]);
-      hi = std::max(hi, x[i]);
-    }
-    q.min[g] = FloatToHalf(lo);
-    const float m = HalfToFloat(q.min[g]);
-    q.scale[g] = FloatToHalf((hi - m) / 15.f);
-    const float d = HalfToFloat(q.scale[g]);
-    const float inv = d > 0 ? 1.f / d : 0.f;
-    uint8_t* out = q.data.data() + g * (kQuantGroup / 2);
-    for (int64_t j = 0; j < kQuantGroup / 2; ++j) {
-      const auto nibble = [&](float v) {
-        return static_cast<uint8_t>(std::clamp(std::nearbyint((v - m) * inv), 0.f, 15.f));
+      const auto nibble = [&](int64_t i) {
+        if (i >= n) return uint8_t{0};
+        return static_cast<uint8_t>(std::clamp(std::nearbyint((x[i] - m) * inv), 0.f, 15.f));
       };
-      out[j] = static_cast<uint8_t>(nibble(x[j]) | (nibble(x[j + kQuantGroup / 2]) << 4));
+      uint8_t* out = q.data.data() + g * (kQuantGroup / 2);
+      for (int64_t j = 0; j < kQuantGroup / 2; ++j) {
+        out[j] = static_cast<uint8_t>(nibble(j) | (nibble(j + kQuantGroup / 2) << 4));
+      }
     }
   }
   return q;
 }
 
 void DequantizeRow(const QuantizedMatrix& q, int64_t row, float* out) {
-  const int64_t per_row = q.cols / kQuantGroup;
+  const int64_t per_row = q.groups_per_row();
   for (int64_t c = 0; c < per_row; ++c) {
     const int64_t g = row * per_row + c;
+    const int64_t n = std::min(kQuantGroup, q.cols - c * kQuantGroup);
     const float d = HalfToFloat(q.scale[g]);
     float* y = out + c * kQuantGroup;
     if (q.format == WeightFormat::kInt8) {
       const int8_t* v = reinterpret_cast<const int8_t*>(q.data.data()) + g * kQuantGroup;
-      for (int64_t i = 0; i < kQuantGroup; ++i) y[i] = d * static_cast<float>(v[i]);
+      for (int64_t i = 0; i < n; ++i) y[i] = d * static_cast<float>(v[i]);
       continue;
     }
     const float m = HalfToFloat(q.min[g]);
     const uint8_t* v = q.data.data() + g * (kQuantGroup / 2);
-    for (int64_t j = 0; j < kQuantGroup / 2; ++j) {
-      y[j] = d * static_cast<float>(v[j] & 0xF) + m;
-      y[j + kQuantGroup / 2] = d * static_cast<float>(v[j] >> 4) + m;
+    for (int64_t i = 0; i < n; ++i) {
+      const int nib = i < kQuantGroup / 2 ? v[i] & 0xF : v[i - kQuantGroup / 2] >> 4;
+      y[i] = d * static_cast<float>(nib) + m;
     }
   }
 }

@@ -10,6 +10,9 @@
 //   5 bits per weight.
 // d and m are rounded to fp16 first and q computed from the rounded values, so the only error
 // is q's rounding: at most d / 2 per weight (and fp16's rounding of m, for int4).
+// A row whose length is not a multiple of kQuantGroup ends in a short group, stored padded to a
+// whole group: its range is that of its real weights, its padding quantized as 0 (int8) or as
+// the minimum (int4); the kernels multiply the padding by zeros.
 #pragma once
 
 #include <cstdint>
@@ -29,16 +32,21 @@ constexpr int64_t kQuantGroup = 32;
 struct QuantizedMatrix {
   WeightFormat format = WeightFormat::kInt8;
   int64_t rows = 0, cols = 0;
-  std::vector<uint8_t> data;    // int8: rows * cols values (two's complement); int4: half that
-  std::vector<uint16_t> scale;  // [rows, cols / kQuantGroup], fp16 bit patterns
+  std::vector<uint8_t> data;    // [rows, row_bytes()]: int8 two's complement; int4 nibbles
+  std::vector<uint16_t> scale;  // [rows, groups_per_row()], fp16 bit patterns
   std::vector<uint16_t> min;    // int4 only, as scale
+  int64_t groups_per_row() const { return (cols + kQuantGroup - 1) / kQuantGroup; }
+  int64_t padded_cols() const { return groups_per_row() * kQuantGroup; }
+  int64_t row_bytes() const {  // of `data`
+    return format == WeightFormat::kInt4 ? padded_cols() / 2 : padded_cols();
+  }
   int64_t bytes() const {
     return static_cast<int64_t>(data.size() + 2 * (scale.size() + min.size()));
   }
 };
 
-// Quantizes w [rows, cols] (row-major, finite) to `format` (kInt8 or kInt4). cols must be a
-// multiple of kQuantGroup (InvalidArgument naming the shape otherwise).
+// Quantizes w [rows, cols] (row-major, finite) to `format` (kInt8 or kInt4); InvalidArgument
+// for another format or an empty shape.
 StatusOr<QuantizedMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t cols,
                                          WeightFormat format);
 
