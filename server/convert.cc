@@ -223,6 +223,7 @@ StatusOr<GenerationRequest> ToGenerationRequest(const v1::ChatRequest& request,
   if (e.has_evict_answer_first()) cp.elastic.evict_answer_first = e.evict_answer_first();
   if (e.has_decode_merge()) cp.elastic.decode_merge = e.decode_merge();
   if (e.has_text_prior()) cp.elastic.text_prior = e.text_prior();
+  if (e.has_protect_tail()) cp.elastic.protect_tail = e.protect_tail();
   if (kv.h2o().has_recent_window()) cp.h2o.recent_window = kv.h2o().recent_window();
   if (kv.h2o().has_shared_scores()) cp.h2o.shared_scores = kv.h2o().shared_scores();
   if (kv.snapkv().has_window()) cp.snapkv.window = kv.snapkv().window();

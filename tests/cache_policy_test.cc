@@ -245,10 +245,11 @@ CacheParams Product(double gamma) {
 }
 
 // The product with the instruction (and a question before the image) pinned: an option of the
-// product, off by default.
+// product, off by default. Without the product's pinned tail, so that only the spans are seen.
 CacheParams Protecting(double gamma) {
   CacheParams p = Product(gamma);
   p.elastic.protect_instruction = true;
+  p.elastic.protect_tail = 0;
   return p;
 }
 
@@ -297,6 +298,34 @@ TEST(ElasticPinned, SinksAndTheProtectedSpans) {
   EXPECT_EQ(ElasticPinned(Protecting(0.5), paper, 24),
             (std::vector<int64_t>{0, 5, 20, 21, 22, 23}));
   EXPECT_EQ(ElasticPinned(Elastic(0.5), paper, 24), (std::vector<int64_t>{0}));
+}
+
+// protect_tail pins the prompt's last N positions, outside the spans' half of the budget: at
+// 0.25 of 12 (3 entries) a tail of 3 is pinned whole, beside the sink; a tail longer than the
+// prompt pins all of it; the merge keeps each pinned position in a bucket of its own.
+TEST(ElasticPinned, TheTailIsPinnedWhole) {
+  const PromptSegments s = TwelveTokenPrompt();
+  CacheParams p = Elastic(0.25);
+  p.elastic.protect_tail = 3;
+  EXPECT_EQ(ElasticPinned(p, s, 12), (std::vector<int64_t>{0, 9, 10, 11}));
+  p.elastic.protect_tail = 20;
+  EXPECT_EQ(ElasticPinned(p, s, 5), (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  // Budget 0.5: 6 entries, the 4 pinned and 2 anchors, the most important free positions 1 and
+  // 3; positions 2, 4-8 join the nearest anchor (2 ties and goes to the earlier), none joins a
+  // pinned entry.
+  p.budget = 0.5;
+  p.elastic.protect_tail = 3;
+  const std::vector<float> importance = {0, 9, 1, 8, 1, 1, 1, 1, 1, 7, 1, 1};
+  MergePlan plan = PlanElasticMerge(importance, p, s);
+  EXPECT_EQ(plan.kept, (std::vector<int64_t>{0, 1, 3, 9, 10, 11}));
+  EXPECT_EQ(plan.pinned, (std::vector<bool>{true, false, false, true, true, true}));
+  EXPECT_EQ(plan.bucket, (std::vector<int64_t>{0, 1, 1, 2, 2, 2, 2, 2, 2, 3, 4, 5}));
+  p.elastic.protect_tail = -1;
+  EXPECT_FALSE(ValidateCacheParams(p).ok());
+  p.elastic.protect_tail = 4097;
+  EXPECT_FALSE(ValidateCacheParams(p).ok());
+  EXPECT_EQ(ParseCacheSpec("elastic+tail=6").value().elastic.protect_tail, 6);
+  EXPECT_FALSE(ParseCacheSpec("elastic+tail=x").ok());
 }
 
 // Column sums [T = 6] of every prompt query and of the instruction's (rows 4 and 5).
@@ -499,6 +528,9 @@ TEST(ParseCacheSpec, PresetsAndOptions) {
   EXPECT_FLOAT_EQ(p->elastic.evict_age_exponent, 0.1f);
   EXPECT_EQ(p->elastic.evict_answer_first, 4);
   EXPECT_TRUE(p->elastic.decode_merge);
+  EXPECT_EQ(p->elastic.protect_tail, 4);
+  EXPECT_EQ(ParseCacheSpec("elastic+paper").value().elastic.protect_tail, 0);
+  EXPECT_EQ(ParseCacheSpec("lookm").value().elastic.protect_tail, 0);
   p = ParseCacheSpec("elastic+answer_first=0+decode_merge=0");
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->elastic.evict_answer_first, 0);

@@ -49,6 +49,7 @@ TEST(SteadyEntries, CountsTheProtectedInstruction) {
   segments.instruction = {570, 600};
   CacheParams pinned = Kv(CachePolicy::kElastic, 0.02);
   pinned.elastic.protect_instruction = true;
+  pinned.elastic.protect_tail = 0;  // the spans alone (the tail: below)
   // 0.02: the pins get half of ceil(0.02 * 600) = 12, so they never exceed the budget.
   EXPECT_EQ(SteadyEntries(600, 200, pinned, segments), 16);
   pinned.budget = 0.2;
@@ -56,10 +57,15 @@ TEST(SteadyEntries, CountsTheProtectedInstruction) {
   // Sinks beyond the budget do: 40 sinks at ceil(0.02 * 800) = 16.
   CacheParams sinks = Kv(CachePolicy::kElastic, 0.02);
   sinks.sink_tokens = 40;
-  EXPECT_EQ(SteadyEntries(600, 200, sinks, segments), 41);  // + the newest entry
+  EXPECT_EQ(SteadyEntries(600, 200, sinks, segments), 44);  // + the product's tail of 4
   CacheParams paper = Kv(CachePolicy::kElastic, 0.02);
   paper.elastic = ElasticPreset(ElasticVariant::kPaper);
   EXPECT_EQ(SteadyEntries(600, 200, paper, segments), 16);  // ceil(0.02 * 800)
+  // The product's pinned tail is not held to half of the budget: at 0.005 (4 entries) the sink
+  // and the tail's 4 (the newest entry among them) are counted.
+  CacheParams product = Kv(CachePolicy::kElastic, 0.005);
+  ASSERT_EQ(product.elastic.protect_tail, 4);
+  EXPECT_EQ(SteadyEntries(600, 200, product, segments), 5);
 }
 
 // Full 200 + 100 tokens holds at most 300 entries: 19 pages. Elastic 0.2 of the same: its

@@ -355,6 +355,18 @@ TEST_F(FakeEngineServiceTest, ElasticOptionsApplyOverTheVariant) {
   kv->mutable_elastic()->clear_evict_answer_first();
   kv->mutable_elastic()->clear_decode_merge();
 
+  kv->mutable_elastic()->set_protect_tail(6);
+  grpc::ClientContext tail_ctx;
+  ASSERT_TRUE(stub_->Chat(&tail_ctx, req, &resp).ok());
+  EXPECT_EQ(engine_.LastRequest().kv_cache.elastic.protect_tail, 6);
+  kv->mutable_elastic()->set_protect_tail(5000);
+  grpc::ClientContext bad_tail_ctx;
+  grpc::Status bad_tail = stub_->Chat(&bad_tail_ctx, req, &resp);
+  EXPECT_EQ(bad_tail.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad_tail.error_message().find("kv_cache.elastic.protect_tail"), std::string::npos)
+      << bad_tail.error_message();
+  kv->mutable_elastic()->clear_protect_tail();
+
   kv->mutable_elastic()->set_merge_scope(static_cast<v1::MergeScope>(7));
   grpc::ClientContext bad_ctx;
   grpc::Status bad = stub_->Chat(&bad_ctx, req, &resp);

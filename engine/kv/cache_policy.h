@@ -62,6 +62,10 @@ struct ElasticParams {
   // of which the protected spans take at most half (ElasticPinned).
   bool protect_instruction = false;
   bool protect_system = false;  // the same for the system prompt
+  // The prompt's last N entries (the instruction's last words and the assistant turn's opening,
+  // " ASSISTANT:") are pinned like the sink: the observation window that SnapKV keeps verbatim.
+  // Not counted in the protected spans' half of the budget. In [0, 4096].
+  int protect_tail = 0;
   ImportanceMode importance = ImportanceMode::kSum;
   MergeScope merge_scope = MergeScope::kNearest;
   // Anchors become the importance-weighted mean of their bucket instead of the plain mean.
@@ -165,7 +169,7 @@ StatusOr<ElasticVariant> ParseElasticVariant(std::string_view name);
 // A policy with its knobs in one string, for command lines: `name[+option...]`, where an
 // option is a preset (`paper`, `product`) or key=value: protect_instruction=0|1,
 // protect_system=0|1, importance=sum|mean|instruction, merge_scope=nearest|segment,
-// weighted=0|1, evict=fixed_point|scored, merge=0|1, recent=N, sinks=N,
+// weighted=0|1, evict=fixed_point|scored, merge=0|1, recent=N, sinks=N, tail=N,
 // position=original|compressed; for snapkv the presets `paper` and `kvpress`, window=N and
 // kernel=N. Options apply in order on top of `base` (whose budget is kept),
 // e.g. "elastic+paper+importance=mean". `elastic_drop` and `elastic_mean` are the older ablation

@@ -199,6 +199,8 @@ std::vector<int64_t> ElasticPinned(const CacheParams& params, const PromptSegmen
   std::vector<bool> mark(t, false);
   const int64_t sinks = std::min<int64_t>(params.sinks(), t);
   for (int64_t i = 0; i < sinks; ++i) mark[i] = true;
+  const int64_t tail = std::min<int64_t>(params.elastic.protect_tail, t);
+  for (int64_t i = t - tail; i < t; ++i) mark[i] = true;
   // The protected spans share half of the budget's entries, in this order and each from its
   // end: a long system prompt must not take the whole budget from the image.
   int64_t room = std::max<int64_t>(0, EntryTarget(params.budget, t, 0) / 2 - sinks);
@@ -350,6 +352,10 @@ Status ValidateElasticParams(const CacheParams& p) {
   if (p.elastic.recent_distance < 1) {
     return InvalidArgument("kv_cache.recent_distance must be >= 1, got " +
                            std::to_string(p.elastic.recent_distance));
+  }
+  if (p.elastic.protect_tail < 0 || p.elastic.protect_tail > 4096) {
+    return InvalidArgument("kv_cache.elastic.protect_tail must be in [0, 4096], got " +
+                           std::to_string(p.elastic.protect_tail));
   }
   if (p.elastic.evict_answer_first < 0 || p.elastic.evict_answer_first > 4096) {
     return InvalidArgument("kv_cache.elastic.evict_answer_first must be in [0, 4096], got " +

@@ -16,7 +16,8 @@ namespace llava {
 // Prompt positions that are never merged, never anchors of other entries and never evicted:
 // the first `sinks`, plus the instruction (and a question before the image) and the system
 // prompt when the params protect them, within half of the budget's entries beyond the sinks:
-// the instruction first, then the question, then the system prompt, each from its end.
+// the instruction first, then the question, then the system prompt, each from its end; and
+// the last protect_tail positions.
 // The last prompt position is kept at the merge (the paper) but is not pinned unless it lies
 // in a protected span. Sorted, unique, all < t.
 std::vector<int64_t> ElasticPinned(const CacheParams& params, const PromptSegments& segments,
