@@ -468,15 +468,16 @@ void QuantSuite(int reps) {
     for (llava::WeightFormat f : {llava::WeightFormat::kInt8, llava::WeightFormat::kInt4}) {
       auto q = llava::QuantizeMatrix(wf.data_ptr<float>(), sh.n, sh.k, f);
       if (!q.ok()) throw std::runtime_error(q.status().ToString());
+      const llava::PackedQuant packed = llava::PackQuantized(*q);
       const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
       auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-      const double q_ms = ms([&] { llava::QuantGemv(xp, *q, nullptr, yp, sh.m); });
+      const double q_ms = ms([&] { llava::QuantGemv(xp, packed, nullptr, yp, sh.m); });
       std::printf(
           "suite=quant shape=%s m=%lld n=%lld k=%lld format=%s ms=%.3f weight_gbps=%.1f "
           "speedup_vs_bf16=%.2f\n",
           sh.name, static_cast<long long>(sh.m), static_cast<long long>(sh.n),
           static_cast<long long>(sh.k), llava::WeightFormatName(f), q_ms,
-          static_cast<double>(q->bytes()) / q_ms / 1e6, bf16_ms / q_ms);
+          static_cast<double>(packed.bytes()) / q_ms / 1e6, bf16_ms / q_ms);
     }
   }
 }

@@ -71,25 +71,27 @@ Exact MakeExact(WeightFormat f, int64_t m, int64_t n, int64_t k, uint32_t seed) 
   return e;
 }
 
-// Shapes that reach every tile and pass: row counts 1-8 and in passes (9, 17), weight rows that
-// leave a remainder for every tile height, k with a short last group and k past the prefetch
-// distance.
+// Shapes that reach every chunk of rows of x (1-4, and many: 9, 17, 70), weight rows that leave
+// every remainder of a tile of 4, an odd number of groups (a pair completed by zeros), k with a
+// short last group and k past the prefetch distance.
 TEST(QuantGemv, LosslessInputsGiveTheFloatProductOnEveryPath) {
   struct Shape {
     int64_t m, n, k;
   };
   for (WeightFormat f : {WeightFormat::kInt8, WeightFormat::kInt4}) {
-    for (Shape s : {Shape{1, 37, 64}, Shape{2, 13, 200}, Shape{3, 11, 96}, Shape{4, 9, 4160},
-                    Shape{5, 7, 40}, Shape{8, 19, 256}, Shape{9, 5, 72}, Shape{17, 6, 128}}) {
+    for (Shape s :
+         {Shape{1, 37, 64}, Shape{2, 13, 200}, Shape{3, 11, 96}, Shape{4, 9, 4160}, Shape{5, 7, 40},
+          Shape{8, 19, 256}, Shape{9, 5, 72}, Shape{17, 6, 128}, Shape{70, 9, 160}}) {
       const Exact e = MakeExact(f, s.m, s.n, s.k, static_cast<uint32_t>(s.m * 31 + s.k));
       std::vector<float> bias(s.n);
       for (int64_t r = 0; r < s.n; ++r) bias[r] = 0.25f * static_cast<float>(r);
       const std::vector<double> want = Product(e.x, e.w, bias, s.m, s.n, s.k);
       auto q = QuantizeMatrix(e.w.data(), s.n, s.k, f);
       ASSERT_TRUE(q.ok());
+      const PackedQuant packed = PackQuantized(*q);
       for (CpuPath path : RunnablePaths()) {
         std::vector<float> y(s.m * s.n, -1.f);
-        QuantGemv(e.x.data(), *q, bias.data(), y.data(), s.m, path);
+        QuantGemv(e.x.data(), packed, bias.data(), y.data(), s.m, path);
         for (int64_t t = 0; t < s.m * s.n; ++t) {
           // fp32 accumulation of exact terms: relative rounding only.
           ASSERT_NEAR(y[t], want[t], 1e-5 * (std::fabs(want[t]) + 127.0 * s.k / 16))
@@ -134,8 +136,9 @@ TEST(QuantGemv, RandomInputsMatchTheDequantizedProductUpToXsQuantization) {
         }
       }
     }
+    const PackedQuant packed = PackQuantized(*q);
     std::vector<float> generic(m * n);
-    QuantGemv(x.data(), *q, nullptr, generic.data(), m, CpuPath::kGeneric);
+    QuantGemv(x.data(), packed, nullptr, generic.data(), m, CpuPath::kGeneric);
     double err = 0.0, scale = 0.0;
     for (int64_t t = 0; t < m * n; ++t) {
       ASSERT_LE(std::fabs(generic[t] - want[t]), bound[t] * 1.01 + 1e-4) << t;
@@ -146,7 +149,7 @@ TEST(QuantGemv, RandomInputsMatchTheDequantizedProductUpToXsQuantization) {
     EXPECT_LT(err / scale, 0.01) << WeightFormatName(f);
     for (CpuPath path : RunnablePaths()) {
       std::vector<float> y(m * n);
-      QuantGemv(x.data(), *q, nullptr, y.data(), m, path);
+      QuantGemv(x.data(), packed, nullptr, y.data(), m, path);
       for (int64_t t = 0; t < m * n; ++t) {
         ASSERT_NEAR(y[t], generic[t], 1e-4f * (1.f + std::fabs(generic[t])))
             << WeightFormatName(f) << " " << CpuPathName(path) << " at " << t;
@@ -169,8 +172,9 @@ TEST(QuantGemv, Bf16RowsRoundTheFp32Result) {
     bias[r] = FloatToBf16(biasf[r]);
   }
   const std::vector<double> want = Product(e.x, e.w, biasf, m, n, k);
+  const PackedQuant packed = PackQuantized(*q);
   for (CpuPath path : RunnablePaths()) {
-    QuantGemv(xb.data(), *q, bias.data(), y.data(), m, path);
+    QuantGemv(xb.data(), packed, bias.data(), y.data(), m, path);
     for (int64_t t = 0; t < m * n; ++t) {
       EXPECT_EQ(y[t], FloatToBf16(static_cast<float>(want[t])))
           << CpuPathName(path) << " at " << t << ": " << Bf16ToFloat(y[t]) << " vs " << want[t];

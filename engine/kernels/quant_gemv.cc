@@ -5,25 +5,35 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
-#include "engine/kernels/avx512_reduce.h"
 #include "engine/kernels/cpu_gemv.h"  // Bf16ToFloat, FloatToBf16
 
 namespace llava {
 namespace {
 
-constexpr int kMaxRows = 8;  // rows of x per pass over the weights
+constexpr int64_t kHalf = kQuantGroup / 2;  // 16
+constexpr int64_t kPairBytes = 2 * kQuantGroup;
 
-// The rows of x quantized per group (see the header): q [m, padded k] (the padding 0), and per
-// row and group its scale d, the sum of its real values (int4's minimum multiplies it) and
-// -128 * sum(q) (the int8 VNNI kernel's offset, see TileVnni). Buffers of the calling thread,
-// reused from call to call (a decode step quantizes x for every linear layer).
+// Where value j (< kQuantGroup) of group `which` (0, 1) of a pair lies among a row's 64 int8
+// bytes in a block, and among the activations' 64 bytes of a pair: halves of both groups.
+inline int64_t PairOffset(int which, int64_t j) {
+  return (j < kHalf ? 0 : 2 * kHalf) + which * kHalf + j % kHalf;
+}
+
+// The rows of x quantized per group (the header's arithmetic), in the weights' pair layout:
+// q [m, pairs, 64]; per row and pair the scales as the kernels read them, dx [m, pairs, 8] =
+// (d0 x4, d1 x4); for int4's minimum, s [m, pairs, 8] = (sum0, sum1) x4, the sums of the
+// groups' real values; for the int8 VNNI kernel, start [m, pairs, 8] int32 = (-128 sum(q0), 0,
+// 0, 0, -128 sum(q1), 0, 0, 0) (see TileVnni). Buffers of the calling thread, reused from call
+// to call (a decode step quantizes x for every linear layer).
 struct Activations {
-  int64_t m = 0, groups = 0, stride = 0;  // stride: padded k
+  int64_t pairs = 0;
   std::vector<int8_t> q;
-  std::vector<float> d, sum;
-  std::vector<int32_t> offset;
+  std::vector<float> dx, sum;
+  std::vector<int32_t> start;
 };
 
 template <typename T>
@@ -36,19 +46,19 @@ inline float ToFloat(T v) {
 }
 
 template <typename T>
-const Activations& QuantizeActivations(const T* x, int64_t m, int64_t k, int64_t groups) {
+const Activations& QuantizeActivations(const T* x, int64_t m, int64_t k, int64_t pairs) {
   thread_local Activations a;
-  a.m = m;
-  a.groups = groups;
-  a.stride = groups * kQuantGroup;
-  a.q.assign(m * a.stride, 0);
-  a.d.resize(m * groups);
-  a.sum.resize(m * groups);
-  a.offset.resize(m * groups);
+  a.pairs = pairs;
+  a.q.assign(m * pairs * kPairBytes, 0);
+  a.dx.assign(m * pairs * 8, 0.f);
+  a.sum.assign(m * pairs * 8, 0.f);
+  a.start.assign(m * pairs * 8, 0);
   float v[kQuantGroup];
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = 0; g * kQuantGroup < k; ++g) {
       const int64_t c0 = g * kQuantGroup, n = std::min(kQuantGroup, k - c0);
+      const int which = static_cast<int>(g % 2);
+      const int64_t base = i * pairs + g / 2;
       float amax = 0.f, sum = 0.f;
       for (int64_t j = 0; j < n; ++j) {
         v[j] = ToFloat(x[i * k + c0 + j]);
@@ -56,42 +66,67 @@ const Activations& QuantizeActivations(const T* x, int64_t m, int64_t k, int64_t
         sum += v[j];
       }
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int8_t* q = a.q.data() + i * a.stride + c0;
+      int8_t* q = a.q.data() + base * kPairBytes;
       int32_t qsum = 0;
       for (int64_t j = 0; j < n; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-        qsum += q[j];
+        const float s = v[j] * inv;  // in [-127, 127]; rounded half away from zero
+        const int8_t r = static_cast<int8_t>(s >= 0.f ? s + 0.5f : s - 0.5f);
+        q[PairOffset(which, j)] = r;
+        qsum += r;
       }
-      a.d[i * groups + g] = d;
-      a.sum[i * groups + g] = sum;
-      a.offset[i * groups + g] = -128 * qsum;
+      for (int l = 0; l < 4; ++l) {
+        a.dx[base * 8 + 4 * which + l] = d;
+        a.sum[base * 8 + 2 * l + which] = sum;
+      }
+      a.start[base * 8 + 4 * which] = -128 * qsum;
     }
   }
   return a;
 }
 
+// ---- packing ----
+
+const uint8_t* Block(const PackedQuant& w, int64_t tile, int64_t pair) {
+  return w.data.data() + (tile * w.pairs + pair) * w.block_bytes;
+}
+
+// Value j of group g of row r (the generic kernel's and the tests' view of a block).
+int PackedValue(const PackedQuant& w, int64_t r, int64_t g, int64_t j) {
+  const uint8_t* row = Block(w, r / kPackRows, g / 2) + (r % kPackRows) * w.row_bytes;
+  const int which = static_cast<int>(g % 2);
+  if (w.format == WeightFormat::kInt8) {
+    return static_cast<int8_t>(row[PairOffset(which, j)]);
+  }
+  const uint8_t byte = row[which * kHalf + j % kHalf];
+  return j < kHalf ? byte & 0xF : byte >> 4;
+}
+
+// Scale (or, second = true, int4's minimum) of group g of row r.
+float PackedScale(const PackedQuant& w, int64_t r, int64_t g, bool minimum = false) {
+  const uint8_t* b = Block(w, r / kPackRows, g / 2) + kPackRows * w.row_bytes + (minimum ? 16 : 0);
+  uint16_t h;
+  std::memcpy(&h, b + 2 * (2 * (r % kPackRows) + g % 2), 2);
+  return HalfToFloat(h);
+}
+
 // ---- generic: the integer arithmetic in plain C++ (the reference for the vector paths) ----
 
-void RowsGeneric(const Activations& a, const QuantizedMatrix& w, int64_t i0, int64_t rows,
-                 float* y) {
-  const int64_t n = w.rows, groups = a.groups, rb = w.row_bytes();
+void GemvGeneric(const Activations& a, const PackedQuant& w, int64_t m, float* y) {
+  const int64_t n = w.rows, groups = 2 * w.pairs;
   const bool int4 = w.format == WeightFormat::kInt4;
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t r = n0; r < n1; ++r) {
-      for (int64_t i = i0; i < i0 + rows; ++i) {
+      for (int64_t i = 0; i < m; ++i) {
         float s = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
-          const int8_t* qx = a.q.data() + i * a.stride + g * kQuantGroup;
-          const uint8_t* qw = w.data.data() + r * rb + g * (int4 ? kQuantGroup / 2 : kQuantGroup);
+          const int8_t* qx = a.q.data() + (i * a.pairs + g / 2) * kPairBytes;
           int32_t dot = 0;
           for (int64_t j = 0; j < kQuantGroup; ++j) {
-            const int wv = int4 ? (j < kQuantGroup / 2 ? qw[j] & 0xF : qw[j - 16] >> 4)
-                                : static_cast<int8_t>(qw[j]);
-            dot += wv * qx[j];
+            dot += PackedValue(w, r, g, j) * qx[PairOffset(static_cast<int>(g % 2), j)];
           }
-          const int64_t wg = r * groups + g, xg = i * groups + g;
-          s += HalfToFloat(w.scale[wg]) * a.d[xg] * static_cast<float>(dot);
-          if (int4) s += HalfToFloat(w.min[wg]) * a.sum[xg];
+          const int64_t base = (i * a.pairs + g / 2) * 8;
+          s += PackedScale(w, r, g) * a.dx[base + 4 * (g % 2)] * static_cast<float>(dot);
+          if (int4) s += PackedScale(w, r, g, true) * a.sum[base + g % 2];
         }
         y[i * n + r] = s;
       }
@@ -99,7 +134,7 @@ void RowsGeneric(const Activations& a, const QuantizedMatrix& w, int64_t i0, int
   });
 }
 
-// ---- AVX2 and AVX512-VNNI: tiles of R weight rows x M rows of x, 8 fp32 lanes per pair ----
+// ---- AVX2 and AVX512-VNNI: one tile of kPackRows weight rows x M rows of x ----
 
 __attribute__((target("avx2,fma"))) inline float Sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -108,215 +143,205 @@ __attribute__((target("avx2,fma"))) inline float Sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The 32 nibbles of an int4 group as 32 bytes in order (low nibbles are values 0-15).
-__attribute__((target("avx2"))) inline __m256i Nibbles(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-}
+// Blocks prefetched ahead into L2: a tile is one stream, ~2 KiB ahead as the bf16 kernels.
+constexpr int64_t kAheadBytes = 2048;
 
-// int4's minimum: sum over groups of m_g * sum(x_g), 8 groups at a time.
-__attribute__((target("avx2,fma,f16c"))) inline float MinTerm(const uint16_t* m, const float* xs,
-                                                              int64_t groups) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g)));
-    acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + g), acc);
-  }
-  float s = Sum8(acc);
-  for (; g < groups; ++g) s += _cvtsh_ss(m[g]) * xs[g];
-  return s;
-}
-
-// Prefetch distance into L2, in bytes of each weight row (the bf16 kernels' 4 KiB of a row is
-// 2048 values; here the same number of values is 2 KiB of int8 and 1 KiB of int4).
-constexpr int64_t kAheadValues = 2048;
-
-// AVX2: vpmaddubsw multiplies unsigned by signed bytes. int4's nibbles are unsigned already;
-// int8 uses |w| and x with w's sign (at most 127 * 127 * 2 per pair: no int16 saturation).
-template <int M, int R, bool kInt4>
-__attribute__((target("avx2,fma,f16c"))) void TileAvx2(const Activations& a,
-                                                       const QuantizedMatrix& w, int64_t i0,
-                                                       float* y, int64_t r0) {
-  const int64_t groups = a.groups, rb = w.row_bytes(), n = w.rows;
-  constexpr int64_t kGroupBytes = kInt4 ? kQuantGroup / 2 : kQuantGroup;
-  const uint8_t* wd = w.data.data() + r0 * rb;
-  const uint16_t* ws = w.scale.data() + r0 * groups;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][M];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) acc[r][i] = _mm256_setzero_ps();
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i wv[R];
-    __m256 sw[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* p = wd + r * rb + g * kGroupBytes;
-      if ((g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadValues, _MM_HINT_T1);
-      if constexpr (kInt4) {
-        wv[r] = Nibbles(p);
-      } else {
-        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      }
-      sw[r] = _mm256_set1_ps(_cvtsh_ss(ws[r * groups + g]));
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      const __m256i xv = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(a.q.data() + (i0 + i) * a.stride + g * kQuantGroup));
-      const __m256 sx = _mm256_set1_ps(a.d[(i0 + i) * groups + g]);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256i p16 =
-            kInt4 ? _mm256_maddubs_epi16(wv[r], xv)
-                  : _mm256_maddubs_epi16(_mm256_abs_epi8(wv[r]), _mm256_sign_epi8(xv, wv[r]));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-        acc[r][i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sw[r], sx), acc[r][i]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < M; ++i) {
+// The tile's outputs: acc[r][i] summed (+ row r's share of int4's minimum term, lanes 2r and
+// 2r + 1 of mins[i]), for the rows that exist.
+template <int M, bool kInt4>
+__attribute__((target("avx2,fma"))) inline void StoreTile(const __m256 (&acc)[kPackRows][M],
+                                                          const __m256 (&mins)[M], int64_t n,
+                                                          int64_t r0, float* y) {
+  alignas(32) float m8[8];
+  for (int i = 0; i < M; ++i) {
+    if constexpr (kInt4) _mm256_store_ps(m8, mins[i]);
+    for (int r = 0; r < kPackRows && r0 + r < n; ++r) {
       float s = Sum8(acc[r][i]);
-      if constexpr (kInt4) {
-        s += MinTerm(w.min.data() + (r0 + r) * groups, a.sum.data() + (i0 + i) * groups, groups);
-      }
+      if constexpr (kInt4) s += m8[2 * r] + m8[2 * r + 1];
       y[i * n + r0 + r] = s;
     }
   }
 }
 
-// AVX512-VNNI on 256-bit vectors (vpdpbusd, unsigned by signed bytes into int32). int4's nibbles
+// AVX2: vpmaddubsw multiplies unsigned by signed bytes: int4's nibbles are unsigned already;
+// int8 uses |w| and x carrying w's sign (at most 2 * 127 * 127 per int16: no saturation).
+// Rows i0 .. i0 + M of x (M <= 2: the 16 ymm registers).
+template <int M, bool kInt4>
+__attribute__((target("avx2,fma,f16c"))) void TileAvx2(const Activations& a, const PackedQuant& w,
+                                                       int64_t tile, int64_t i0, float* y) {
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  __m256 acc[kPackRows][M], mins[M];
+  for (int i = 0; i < M; ++i) {
+    mins[i] = _mm256_setzero_ps();
+    for (int r = 0; r < kPackRows; ++r) acc[r][i] = _mm256_setzero_ps();
+  }
+  const uint8_t* b = Block(w, tile, 0);
+  for (int64_t p = 0; p < w.pairs; ++p, b += w.block_bytes) {
+    for (int64_t l = 0; l < w.block_bytes; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(b) + kAheadBytes + l, _MM_HINT_T1);
+    }
+    const __m256 s8 = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes)));
+#pragma GCC unroll 4
+    for (int r = 0; r < kPackRows; ++r) {
+      const uint8_t* row = b + r * w.row_bytes;
+      __m256i wa, wb;
+      if constexpr (kInt4) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        wa = _mm256_and_si256(v, low);
+        wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      } else {
+        wa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32));
+      }
+      const __m256 sw =
+          _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1,
+                                                         2 * r + 1, 2 * r + 1, 2 * r + 1));
+#pragma GCC unroll 2
+      for (int i = 0; i < M; ++i) {
+        const int64_t at = (i0 + i) * a.pairs + p;
+        const __m256i xa =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at * kPairBytes));
+        const __m256i xb =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at * kPairBytes + 32));
+        __m256i dot;
+        if constexpr (kInt4) {
+          dot = _mm256_madd_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(wa, xa), _mm256_maddubs_epi16(wb, xb)), ones);
+        } else {
+          dot = _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wa), _mm256_sign_epi8(xa, wa)),
+                                ones),
+              _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wb), _mm256_sign_epi8(xb, wb)),
+                                ones));
+        }
+        const __m256 dx = _mm256_loadu_ps(a.dx.data() + at * 8);
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, dx), acc[r][i]);
+      }
+    }
+    if constexpr (kInt4) {
+      const __m256 m8 = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes + 16)));
+      for (int i = 0; i < M; ++i) {
+        const float* s = a.sum.data() + ((i0 + i) * a.pairs + p) * 8;
+        mins[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(s), mins[i]);
+      }
+    }
+  }
+  StoreTile<M, kInt4>(acc, mins, w.rows, tile * kPackRows, y);
+}
+
+// AVX512-VNNI on 256-bit vectors: vpdpbusd, unsigned by signed bytes into int32. int4's nibbles
 // are unsigned; int8 flips each weight's top bit, which adds 128 (w + 128 in [1, 255]), and the
-// accumulator starts at -128 * sum(q_x) to take that back: the dot product stays exact.
-template <int M, int R, bool kInt4>
+// accumulator starts at -128 * sum(q_x) of each group to take that back: exact in int32.
+// Rows i0 .. i0 + M of x (M <= 4).
+template <int M, bool kInt4>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"))) void TileVnni(
-    const Activations& a, const QuantizedMatrix& w, int64_t i0, float* y, int64_t r0) {
-  const int64_t groups = a.groups, rb = w.row_bytes(), n = w.rows;
-  constexpr int64_t kGroupBytes = kInt4 ? kQuantGroup / 2 : kQuantGroup;
-  const uint8_t* wd = w.data.data() + r0 * rb;
-  const uint16_t* ws = w.scale.data() + r0 * groups;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256 acc[R][M];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) acc[r][i] = _mm256_setzero_ps();
+    const Activations& a, const PackedQuant& w, int64_t tile, int64_t i0, float* y) {
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[kPackRows][M], mins[M];
+  for (int i = 0; i < M; ++i) {
+    mins[i] = _mm256_setzero_ps();
+    for (int r = 0; r < kPackRows; ++r) acc[r][i] = _mm256_setzero_ps();
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i wv[R];
-    __m256 sw[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* p = wd + r * rb + g * kGroupBytes;
-      if ((g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadValues, _MM_HINT_T1);
+  const uint8_t* b = Block(w, tile, 0);
+  for (int64_t p = 0; p < w.pairs; ++p, b += w.block_bytes) {
+    for (int64_t l = 0; l < w.block_bytes; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(b) + kAheadBytes + l, _MM_HINT_T1);
+    }
+    const __m256 s8 = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes)));
+#pragma GCC unroll 4
+    for (int r = 0; r < kPackRows; ++r) {
+      const uint8_t* row = b + r * w.row_bytes;
+      __m256i wa, wb;
       if constexpr (kInt4) {
-        wv[r] = Nibbles(p);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        wa = _mm256_and_si256(v, low);
+        wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       } else {
-        wv[r] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip);
+        wa = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), flip);
+        wb = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32)), flip);
       }
-      sw[r] = _mm256_set1_ps(_cvtsh_ss(ws[r * groups + g]));
+      const __m256 sw =
+          _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1,
+                                                         2 * r + 1, 2 * r + 1, 2 * r + 1));
+#pragma GCC unroll 4
+      for (int i = 0; i < M; ++i) {
+        const int64_t at = (i0 + i) * a.pairs + p;
+        const __m256i xa =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at * kPairBytes));
+        const __m256i xb =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at * kPairBytes + 32));
+        const __m256i start =
+            kInt4 ? _mm256_setzero_si256()
+                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.start.data() + at * 8));
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, wa, xa), wb, xb);
+        const __m256 dx = _mm256_loadu_ps(a.dx.data() + at * 8);
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, dx), acc[r][i]);
+      }
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      const __m256i xv = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(a.q.data() + (i0 + i) * a.stride + g * kQuantGroup));
-      const __m256 sx = _mm256_set1_ps(a.d[(i0 + i) * groups + g]);
-      const __m256i start =
-          kInt4 ? _mm256_setzero_si256()
-                : _mm256_setr_epi32(a.offset[(i0 + i) * groups + g], 0, 0, 0, 0, 0, 0, 0);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, wv[r], xv));
-        acc[r][i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sw[r], sx), acc[r][i]);
+    if constexpr (kInt4) {
+      const __m256 m8 = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes + 16)));
+      for (int i = 0; i < M; ++i) {
+        const float* s = a.sum.data() + ((i0 + i) * a.pairs + p) * 8;
+        mins[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(s), mins[i]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < M; ++i) {
-      float s = Sum8(acc[r][i]);
-      if constexpr (kInt4) {
-        s += MinTerm(w.min.data() + (r0 + r) * groups, a.sum.data() + (i0 + i) * groups, groups);
-      }
-      y[i * n + r0 + r] = s;
-    }
-  }
+  StoreTile<M, kInt4>(acc, mins, w.rows, tile * kPackRows, y);
 }
 
-// Weight rows per tile for M rows of x: R * M accumulators, R weight vectors and R scales must
-// fit the registers (16 ymm for AVX2, 32 with AVX-512VL).
-constexpr int RowsAvx2(int m) { return m == 1 ? 4 : m <= 3 ? 2 : 1; }
-constexpr int RowsVnni(int m) { return m == 1 ? 8 : m == 2 ? 6 : m <= 4 ? 4 : 2; }
-
-template <int M, bool kVnni, bool kInt4>
-void Rows(const Activations& a, const QuantizedMatrix& w, int64_t i0, float* y) {
-  constexpr int R = kVnni ? RowsVnni(M) : RowsAvx2(M);
-  const auto tile = [&](auto rows, int64_t r0) {
-    if constexpr (kVnni) {
-      TileVnni<M, rows.value, kInt4>(a, w, i0, y, r0);
-    } else {
-      TileAvx2<M, rows.value, kInt4>(a, w, i0, y, r0);
+// Every tile for all m rows of x, in chunks of kChunk rows (the tile's weights come from memory
+// for the first chunk and from L1/L2 for the others).
+template <bool kVnni, bool kInt4>
+void GemvTiles(const Activations& a, const PackedQuant& w, int64_t m, float* y) {
+  constexpr int kChunk = kVnni ? 4 : 2;
+  at::parallel_for(0, w.tiles, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
+        const auto run = [&](auto rows) {
+          if constexpr (kVnni) {
+            TileVnni<rows.value, kInt4>(a, w, t, i0, y + i0 * w.rows);
+          } else {
+            TileAvx2<rows.value, kInt4>(a, w, t, i0, y + i0 * w.rows);
+          }
+        };
+        switch (std::min<int64_t>(kChunk, m - i0)) {
+          case 1:
+            run(std::integral_constant<int, 1>{});
+            break;
+          case 2:
+            run(std::integral_constant<int, 2>{});
+            break;
+          case 3:
+            if constexpr (kChunk >= 3) run(std::integral_constant < int, kChunk >= 3 ? 3 : 1 > {});
+            break;
+          default:
+            if constexpr (kChunk >= 4) run(std::integral_constant < int, kChunk >= 4 ? 4 : 1 > {});
+            break;
+        }
+      }
     }
-  };
-  const int64_t n = w.rows, blocks = (n + R - 1) / R;
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    const int64_t n1 = std::min(n, b1 * R);
-    int64_t r0 = b0 * R;
-    for (; r0 + R <= n1; r0 += R) tile(std::integral_constant<int, R>{}, r0);
-    for (; r0 < n1; ++r0) tile(std::integral_constant<int, 1>{}, r0);
   });
 }
 
-// One pass of `rows` (<= kMaxRows) rows of x from row i0: y points at row i0's outputs.
-void Pass(const Activations& a, const QuantizedMatrix& w, int64_t i0, int64_t rows, float* y,
-          CpuPath path) {
-  if (path == CpuPath::kGeneric) return RowsGeneric(a, w, i0, rows, y - i0 * w.rows);
-  const bool vnni = path >= CpuPath::kAvx512 && HasAvx512Vnni();
-  const bool int4 = w.format == WeightFormat::kInt4;
-  const auto run = [&](auto m) {
-    constexpr int M = m.value;
-    if (vnni) {
-      return int4 ? Rows<M, true, true>(a, w, i0, y) : Rows<M, true, false>(a, w, i0, y);
-    }
-    return int4 ? Rows<M, false, true>(a, w, i0, y) : Rows<M, false, false>(a, w, i0, y);
-  };
-  switch (rows) {
-    case 1:
-      return run(std::integral_constant<int, 1>{});
-    case 2:
-      return run(std::integral_constant<int, 2>{});
-    case 3:
-      return run(std::integral_constant<int, 3>{});
-    case 4:
-      return run(std::integral_constant<int, 4>{});
-    case 5:
-      return run(std::integral_constant<int, 5>{});
-    case 6:
-      return run(std::integral_constant<int, 6>{});
-    case 7:
-      return run(std::integral_constant<int, 7>{});
-    default:
-      return run(std::integral_constant<int, 8>{});
-  }
-}
-
 template <typename T>
-void Gemv(const T* x, const QuantizedMatrix& w, const T* bias, T* y, int64_t m, CpuPath path) {
+void Gemv(const T* x, const PackedQuant& w, const T* bias, T* y, int64_t m, CpuPath path) {
   path = ClampCpuPath(path, DetectedCpuPath());
   const int64_t n = w.rows;
-  const Activations& a = QuantizeActivations(x, m, w.cols, w.groups_per_row());
+  const Activations& a = QuantizeActivations(x, m, w.cols, w.pairs);
   thread_local std::vector<float> out;
   out.resize(m * n);
-  const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
-  for (int64_t p = 0, i0 = 0; p < passes; ++p) {
-    const int64_t rows = (m - i0) / (passes - p);  // as even as possible: 9 rows are 4 + 5
-    Pass(a, w, i0, rows, out.data() + i0 * n, path);
-    i0 += rows;
+  const bool int4 = w.format == WeightFormat::kInt4;
+  if (path == CpuPath::kGeneric) {
+    GemvGeneric(a, w, m, out.data());
+  } else if (path >= CpuPath::kAvx512 && HasAvx512Vnni()) {
+    int4 ? GemvTiles<true, true>(a, w, m, out.data()) : GemvTiles<true, false>(a, w, m, out.data());
+  } else {
+    int4 ? GemvTiles<false, true>(a, w, m, out.data())
+         : GemvTiles<false, false>(a, w, m, out.data());
   }
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t r = 0; r < n; ++r) {
@@ -333,18 +358,51 @@ void Gemv(const T* x, const QuantizedMatrix& w, const T* bias, T* y, int64_t m, 
 
 }  // namespace
 
+PackedQuant PackQuantized(const QuantizedMatrix& q) {
+  PackedQuant w;
+  w.format = q.format;
+  w.rows = q.rows;
+  w.cols = q.cols;
+  w.tiles = (q.rows + kPackRows - 1) / kPackRows;
+  const int64_t groups = q.groups_per_row();
+  w.pairs = (groups + 1) / 2;
+  const bool int4 = q.format == WeightFormat::kInt4;
+  w.row_bytes = int4 ? kQuantGroup : kPairBytes;
+  const int64_t extras = int4 ? 32 : 16;  // 8 fp16 scales (+ 8 minimums)
+  w.block_bytes = kPackRows * w.row_bytes + extras;
+  w.data.assign(w.tiles * w.pairs * w.block_bytes, 0);
+  const int64_t group_bytes = int4 ? kHalf : kQuantGroup;
+  for (int64_t r = 0; r < q.rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* b = w.data.data() + ((r / kPackRows) * w.pairs + g / 2) * w.block_bytes;
+      uint8_t* row = b + (r % kPackRows) * w.row_bytes;
+      const uint8_t* src = q.data.data() + r * q.row_bytes() + g * group_bytes;
+      const int which = static_cast<int>(g % 2);
+      if (int4) {
+        std::memcpy(row + which * kHalf, src, kHalf);
+      } else {
+        for (int64_t j = 0; j < kQuantGroup; ++j) row[PairOffset(which, j)] = src[j];
+      }
+      const int64_t slot = 2 * (2 * (r % kPackRows) + which);
+      std::memcpy(b + kPackRows * w.row_bytes + slot, &q.scale[r * groups + g], 2);
+      if (int4) std::memcpy(b + kPackRows * w.row_bytes + 16 + slot, &q.min[r * groups + g], 2);
+    }
+  }
+  return w;
+}
+
 bool HasAvx512Vnni() {
   static const bool has = __builtin_cpu_supports("avx512vnni") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
   return has;
 }
 
-void QuantGemv(const float* x, const QuantizedMatrix& w, const float* bias, float* y, int64_t m,
+void QuantGemv(const float* x, const PackedQuant& w, const float* bias, float* y, int64_t m,
                CpuPath path) {
   Gemv(x, w, bias, y, m, path);
 }
 
-void QuantGemv(const uint16_t* x, const QuantizedMatrix& w, const uint16_t* bias, uint16_t* y,
+void QuantGemv(const uint16_t* x, const PackedQuant& w, const uint16_t* bias, uint16_t* y,
                int64_t m, CpuPath path) {
   Gemv(x, w, bias, y, m, path);
 }
