@@ -24,11 +24,10 @@ inline int64_t PairOffset(int which, int64_t j) {
 }
 
 // The rows of x quantized per group (the header's arithmetic), in the weights' pair layout:
-// q [m, pairs, 64]; per row and pair the scales as the kernels read them, dx [m, pairs, 8] =
-// (d0 x4, d1 x4); for int4's minimum, s [m, pairs, 8] = (sum0, sum1) x4, the sums of the
-// groups' real values; for the int8 VNNI kernel, start [m, pairs, 8] int32 = (-128 sum(q0), 0,
-// 0, 0, -128 sum(q1), 0, 0, 0) (see TileVnni). Buffers of the calling thread, reused from call
-// to call (a decode step quantizes x for every linear layer).
+// q [m, pairs, 64]; per row, pair and group its scale dx [m, pairs, 2], for int4's minimum the
+// sum of the group's real values [m, pairs, 2], and for the int8 VNNI kernel -128 sum(q)
+// [m, pairs, 2] (see TileVnni). Buffers of the calling thread, reused from call to call (a
+// decode step quantizes x for every linear layer).
 struct Activations {
   int64_t pairs = 0;
   std::vector<int8_t> q;
@@ -50,9 +49,9 @@ const Activations& QuantizeActivations(const T* x, int64_t m, int64_t k, int64_t
   thread_local Activations a;
   a.pairs = pairs;
   a.q.assign(m * pairs * kPairBytes, 0);
-  a.dx.assign(m * pairs * 8, 0.f);
-  a.sum.assign(m * pairs * 8, 0.f);
-  a.start.assign(m * pairs * 8, 0);
+  a.dx.assign(m * pairs * 2, 0.f);
+  a.sum.assign(m * pairs * 2, 0.f);
+  a.start.assign(m * pairs * 2, 0);
   float v[kQuantGroup];
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t g = 0; g * kQuantGroup < k; ++g) {
@@ -74,11 +73,9 @@ const Activations& QuantizeActivations(const T* x, int64_t m, int64_t k, int64_t
         q[PairOffset(which, j)] = r;
         qsum += r;
       }
-      for (int l = 0; l < 4; ++l) {
-        a.dx[base * 8 + 4 * which + l] = d;
-        a.sum[base * 8 + 2 * l + which] = sum;
-      }
-      a.start[base * 8 + 4 * which] = -128 * qsum;
+      a.dx[base * 2 + which] = d;
+      a.sum[base * 2 + which] = sum;
+      a.start[base * 2 + which] = -128 * qsum;
     }
   }
   return a;
@@ -124,9 +121,9 @@ void GemvGeneric(const Activations& a, const PackedQuant& w, int64_t m, float* y
           for (int64_t j = 0; j < kQuantGroup; ++j) {
             dot += PackedValue(w, r, g, j) * qx[PairOffset(static_cast<int>(g % 2), j)];
           }
-          const int64_t base = (i * a.pairs + g / 2) * 8;
-          s += PackedScale(w, r, g) * a.dx[base + 4 * (g % 2)] * static_cast<float>(dot);
-          if (int4) s += PackedScale(w, r, g, true) * a.sum[base + g % 2];
+          const int64_t at = (i * a.pairs + g / 2) * 2 + g % 2;
+          s += PackedScale(w, r, g) * a.dx[at] * static_cast<float>(dot);
+          if (int4) s += PackedScale(w, r, g, true) * a.sum[at];
         }
         y[i * n + r] = s;
       }
@@ -141,6 +138,23 @@ __attribute__((target("avx2,fma"))) inline float Sum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// The 8-lane vectors of a pair from its two values v = (v0, v1) (the activations are stored
+// compactly: a row of x must stay in L1 beside the weights streaming past it).
+// (v0 x4, v1 x4): a scale per lane of a dot product's two halves.
+__attribute__((target("avx2"))) inline __m256 PairVector(const float* v) {
+  const __m256 both = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(v)));
+  return _mm256_permutevar8x32_ps(both, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+// (v0, v1) x4: the minimums' layout (row r's two groups in lanes 2r, 2r + 1).
+__attribute__((target("avx2"))) inline __m256 Alternating(const float* v) {
+  return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(v)));
+}
+// (v0, 0, 0, 0, 0, v1, 0, 0): one value in each half, the start of a VNNI accumulator.
+__attribute__((target("avx2"))) inline __m256i StartVector(const int32_t* v) {
+  const __m256i both = _mm256_castpd_si256(_mm256_broadcast_sd(reinterpret_cast<const double*>(v)));
+  return _mm256_and_si256(both, _mm256_setr_epi32(-1, 0, 0, 0, 0, -1, 0, 0));
 }
 
 // Blocks prefetched ahead into L2: a tile is one stream, ~2 KiB ahead as the bf16 kernels.
@@ -176,9 +190,10 @@ __attribute__((target("avx2,fma,f16c"))) void TileAvx2(const Activations& a, con
     for (int r = 0; r < kPackRows; ++r) acc[r][i] = _mm256_setzero_ps();
   }
   const uint8_t* b = Block(w, tile, 0);
+  const uint8_t* ahead = b + kAheadBytes;  // the next line to prefetch: one per cache line
   for (int64_t p = 0; p < w.pairs; ++p, b += w.block_bytes) {
-    for (int64_t l = 0; l < w.block_bytes; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(b) + kAheadBytes + l, _MM_HINT_T1);
+    for (; ahead < b + w.block_bytes + kAheadBytes; ahead += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
     }
     const __m256 s8 = _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes)));
@@ -215,7 +230,7 @@ __attribute__((target("avx2,fma,f16c"))) void TileAvx2(const Activations& a, con
               _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wb), _mm256_sign_epi8(xb, wb)),
                                 ones));
         }
-        const __m256 dx = _mm256_loadu_ps(a.dx.data() + at * 8);
+        const __m256 dx = PairVector(a.dx.data() + at * 2);
         acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, dx), acc[r][i]);
       }
     }
@@ -223,8 +238,8 @@ __attribute__((target("avx2,fma,f16c"))) void TileAvx2(const Activations& a, con
       const __m256 m8 = _mm256_cvtph_ps(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes + 16)));
       for (int i = 0; i < M; ++i) {
-        const float* s = a.sum.data() + ((i0 + i) * a.pairs + p) * 8;
-        mins[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(s), mins[i]);
+        const float* s = a.sum.data() + ((i0 + i) * a.pairs + p) * 2;
+        mins[i] = _mm256_fmadd_ps(m8, Alternating(s), mins[i]);
       }
     }
   }
@@ -234,7 +249,7 @@ __attribute__((target("avx2,fma,f16c"))) void TileAvx2(const Activations& a, con
 // AVX512-VNNI on 256-bit vectors: vpdpbusd, unsigned by signed bytes into int32. int4's nibbles
 // are unsigned; int8 flips each weight's top bit, which adds 128 (w + 128 in [1, 255]), and the
 // accumulator starts at -128 * sum(q_x) of each group to take that back: exact in int32.
-// Rows i0 .. i0 + M of x (M <= 4).
+// Rows i0 .. i0 + M of x (M <= 2: 8 accumulators beside the 4 rows' 12 vectors).
 template <int M, bool kInt4>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"))) void TileVnni(
     const Activations& a, const PackedQuant& w, int64_t tile, int64_t i0, float* y) {
@@ -245,59 +260,63 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"))) void TileVn
     for (int r = 0; r < kPackRows; ++r) acc[r][i] = _mm256_setzero_ps();
   }
   const uint8_t* b = Block(w, tile, 0);
+  const uint8_t* ahead = b + kAheadBytes;  // the next line to prefetch: one per cache line
   for (int64_t p = 0; p < w.pairs; ++p, b += w.block_bytes) {
-    for (int64_t l = 0; l < w.block_bytes; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(b) + kAheadBytes + l, _MM_HINT_T1);
+    for (; ahead < b + w.block_bytes + kAheadBytes; ahead += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
     }
     const __m256 s8 = _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes)));
+    // The tile's 4 rows of the pair in registers, then each row of x loaded once.
+    __m256i wa[kPackRows], wb[kPackRows];
+    __m256 sw[kPackRows];
 #pragma GCC unroll 4
     for (int r = 0; r < kPackRows; ++r) {
       const uint8_t* row = b + r * w.row_bytes;
-      __m256i wa, wb;
       if constexpr (kInt4) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-        wa = _mm256_and_si256(v, low);
-        wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        wa[r] = _mm256_and_si256(v, low);
+        wb[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       } else {
-        wa = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), flip);
-        wb = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32)), flip);
+        wa[r] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), flip);
+        wb[r] =
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32)), flip);
       }
-      const __m256 sw =
-          _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1,
-                                                         2 * r + 1, 2 * r + 1, 2 * r + 1));
+      sw[r] = _mm256_permutevar8x32_ps(s8, _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1,
+                                                             2 * r + 1, 2 * r + 1, 2 * r + 1));
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < M; ++i) {
+      const int64_t at = (i0 + i) * a.pairs + p;
+      const __m256i xa =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at * kPairBytes));
+      const __m256i xb =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at * kPairBytes + 32));
+      const __m256i start = kInt4 ? _mm256_setzero_si256() : StartVector(a.start.data() + at * 2);
+      const __m256 dx = PairVector(a.dx.data() + at * 2);
 #pragma GCC unroll 4
-      for (int i = 0; i < M; ++i) {
-        const int64_t at = (i0 + i) * a.pairs + p;
-        const __m256i xa =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at * kPairBytes));
-        const __m256i xb =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at * kPairBytes + 32));
-        const __m256i start =
-            kInt4 ? _mm256_setzero_si256()
-                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.start.data() + at * 8));
-        const __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, wa, xa), wb, xb);
-        const __m256 dx = _mm256_loadu_ps(a.dx.data() + at * 8);
-        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, dx), acc[r][i]);
+      for (int r = 0; r < kPackRows; ++r) {
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, wa[r], xa), wb[r], xb);
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw[r], dx), acc[r][i]);
       }
     }
     if constexpr (kInt4) {
       const __m256 m8 = _mm256_cvtph_ps(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes + 16)));
       for (int i = 0; i < M; ++i) {
-        const float* s = a.sum.data() + ((i0 + i) * a.pairs + p) * 8;
-        mins[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(s), mins[i]);
+        const float* s = a.sum.data() + ((i0 + i) * a.pairs + p) * 2;
+        mins[i] = _mm256_fmadd_ps(m8, Alternating(s), mins[i]);
       }
     }
   }
   StoreTile<M, kInt4>(acc, mins, w.rows, tile * kPackRows, y);
 }
 
-// Every tile for all m rows of x, in chunks of kChunk rows (the tile's weights come from memory
+// Every tile for all m rows of x, in chunks of 2 rows (the tile's weights come from memory
 // for the first chunk and from L1/L2 for the others).
 template <bool kVnni, bool kInt4>
 void GemvTiles(const Activations& a, const PackedQuant& w, int64_t m, float* y) {
-  constexpr int kChunk = kVnni ? 4 : 2;
+  constexpr int kChunk = 2;
   at::parallel_for(0, w.tiles, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
@@ -308,19 +327,10 @@ void GemvTiles(const Activations& a, const PackedQuant& w, int64_t m, float* y) 
             TileAvx2<rows.value, kInt4>(a, w, t, i0, y + i0 * w.rows);
           }
         };
-        switch (std::min<int64_t>(kChunk, m - i0)) {
-          case 1:
-            run(std::integral_constant<int, 1>{});
-            break;
-          case 2:
-            run(std::integral_constant<int, 2>{});
-            break;
-          case 3:
-            if constexpr (kChunk >= 3) run(std::integral_constant < int, kChunk >= 3 ? 3 : 1 > {});
-            break;
-          default:
-            if constexpr (kChunk >= 4) run(std::integral_constant < int, kChunk >= 4 ? 4 : 1 > {});
-            break;
+        if (m - i0 >= 2) {
+          run(std::integral_constant<int, 2>{});
+        } else {
+          run(std::integral_constant<int, 1>{});
         }
       }
     }
