@@ -593,6 +593,11 @@ int main(int argc, char** argv) {
                  "paper: also run Elastic at the largest batch that fits in that KV budget")
       ->capture_default_str();
   app.add_option("--max-batch", max_batch, "paper: cap on that batch")->capture_default_str();
+  std::string weights = "bf16";
+  app.add_option("--weights", weights,
+                 "decoder, policies and paper suites: bf16 | int8 | int4 (llava-server --help)")
+      ->check(CLI::IsMember({"bf16", "int8", "int4"}))
+      ->capture_default_str();
   std::string malloc_mode = "server";
   app.add_option("--malloc", malloc_mode,
                  "server (llava-server's malloc settings, oneDNN cache and activation allocator: "
@@ -607,11 +612,13 @@ int main(int argc, char** argv) {
                                       : "malloc: glibc's defaults";
   threads = llava::InitTorchThreads(threads);
   at::manual_seed(0);
-  std::printf("cpu_path=%s detected=%s device=%s\n%s\n", llava::CpuPathName(llava::ActiveCpuPath()),
-              llava::CpuPathName(llava::DetectedCpuPath()), device_name.c_str(),
+  std::printf("cpu_path=%s detected=%s device=%s weights=%s\n%s\n",
+              llava::CpuPathName(llava::ActiveCpuPath()),
+              llava::CpuPathName(llava::DetectedCpuPath()), device_name.c_str(), weights.c_str(),
               malloc_said.c_str());
   llava::ModelOptions options;
   options.device = device_name;
+  options.weights = llava::ParseWeightFormat(weights).value();  // checked by the flag
   at::Device device(at::kCPU);
   try {
     device = at::Device(device_name);

@@ -210,6 +210,13 @@ int main(int argc, char** argv) {
       ->envname(env("DTYPE"))
       ->check(CLI::IsMember({"auto", "bf16", "f32"}))
       ->capture_default_str();
+  std::string weights = "bf16";
+  app.add_option("--weights", weights,
+                 "the decoder's linear layers: bf16 (as loaded, --dtype) | int8 | int4 (quantized "
+                 "at load, CPU only; docs/BENCHMARKS.md, \"Quantized weights\")")
+      ->envname(env("WEIGHTS"))
+      ->check(CLI::IsMember({"bf16", "int8", "int4"}))
+      ->capture_default_str();
   app.add_option("--device", device, "cpu | cuda[:i]")
       ->envname(env("DEVICE"))
       ->capture_default_str();
@@ -256,9 +263,11 @@ int main(int argc, char** argv) {
   }
   llava::ModelOptions options;
   options.device = device;
+  options.weights = llava::ParseWeightFormat(weights).value();  // checked by the flag
   std::string dtype_why;
   llava::ResolveModelDType(dtype, model_dir, &options, &dtype_why);
   dtype = options.dtype == llava::DType::kF32 ? "f32" : "bf16";
+  if (options.weights != llava::WeightFormat::kBf16) dtype += ", " + weights + " weights";
   std::string batch_why;
   max_batch = llava::AutoMaxBatch(max_batch, device.rfind("cuda", 0) == 0, llava::ActiveCpuPath(),
                                   options.dtype, &batch_why);

@@ -182,5 +182,32 @@ TEST(QuantGemv, Bf16RowsRoundTheFp32Result) {
   }
 }
 
+// DequantizeRows gives back DequantizeRow's values of the unpacked matrix, for any range of
+// rows (across tiles), with a short last group and an odd number of groups; bf16 rounds them.
+TEST(QuantGemv, DequantizedPanelsMatchTheQuantizedMatrix) {
+  const int64_t n = 11, k = 104;  // 4 groups (2 pairs), the last of 8 values; a tile of 3 rows
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> w(n * k);
+  for (float& v : w) v = normal(rng);
+  for (WeightFormat f : {WeightFormat::kInt8, WeightFormat::kInt4}) {
+    auto q = QuantizeMatrix(w.data(), n, k, f);
+    ASSERT_TRUE(q.ok());
+    const PackedQuant packed = PackQuantized(*q);
+    std::vector<float> out(6 * k), want(k);
+    std::vector<uint16_t> out16(6 * k);
+    DequantizeRows(packed, 3, 6, out.data());  // rows 3-8: tiles 0, 1 and 2
+    DequantizeRows(packed, 3, 6, out16.data());
+    for (int64_t c = 0; c < 6; ++c) {
+      DequantizeRow(*q, 3 + c, want.data());
+      for (int64_t j = 0; j < k; ++j) {
+        ASSERT_EQ(out[c * k + j], want[j])
+            << WeightFormatName(f) << " row " << 3 + c << " col " << j;
+        ASSERT_EQ(out16[c * k + j], FloatToBf16(want[j]));
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace llava

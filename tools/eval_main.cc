@@ -293,6 +293,10 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "auto | bf16 | f32 (llava-server --help)")
       ->check(CLI::IsMember({"auto", "bf16", "f32"}))
       ->capture_default_str();
+  std::string weights = "bf16";
+  app.add_option("--weights", weights, "bf16 | int8 | int4 (llava-server --help)")
+      ->check(CLI::IsMember({"bf16", "int8", "int4"}))
+      ->capture_default_str();
   app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
   std::string device = "cpu";
   app.add_option("--device", device, "cpu | cuda[:i] (a CUDA libtorch)")->capture_default_str();
@@ -307,6 +311,7 @@ int main(int argc, char** argv) {
 
   llava::ModelOptions options;
   options.device = device;
+  options.weights = llava::ParseWeightFormat(weights).value();  // checked by the flag
   llava::ResolveModelDType(dtype, model_dir, &options, nullptr);
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {

@@ -401,6 +401,54 @@ PackedQuant PackQuantized(const QuantizedMatrix& q) {
   return w;
 }
 
+namespace {
+
+template <typename T>
+void Dequantize(const PackedQuant& w, int64_t r0, int64_t count, T* out) {
+  const bool int4 = w.format == WeightFormat::kInt4;
+  at::parallel_for(0, count, 16, [&](int64_t c0, int64_t c1) {
+    float v[kPairBytes];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t r = r0 + c;
+      T* dst = out + c * w.cols;
+      for (int64_t p = 0; p < w.pairs; ++p) {
+        const uint8_t* b = Block(w, r / kPackRows, p);
+        const uint8_t* row = b + (r % kPackRows) * w.row_bytes;
+        uint16_t h[4];  // scale 0, scale 1, minimum 0, minimum 1
+        std::memcpy(h, b + kPackRows * w.row_bytes + 4 * (r % kPackRows), 4);
+        if (int4) std::memcpy(h + 2, b + kPackRows * w.row_bytes + 16 + 4 * (r % kPackRows), 4);
+        for (int which = 0; which < 2; ++which) {
+          const float d = HalfToFloat(h[which]), m = int4 ? HalfToFloat(h[2 + which]) : 0.f;
+          for (int64_t j = 0; j < kQuantGroup; ++j) {
+            const int q = int4 ? (j < kHalf ? row[which * kHalf + j] & 0xF
+                                            : row[which * kHalf + j - kHalf] >> 4)
+                               : static_cast<int8_t>(row[PairOffset(which, j)]);
+            v[which * kQuantGroup + j] = d * static_cast<float>(q) + m;
+          }
+        }
+        const int64_t n = std::min(kPairBytes, w.cols - p * kPairBytes);
+        for (int64_t j = 0; j < n; ++j) {
+          if constexpr (std::is_same_v<T, float>) {
+            dst[p * kPairBytes + j] = v[j];
+          } else {
+            dst[p * kPairBytes + j] = FloatToBf16(v[j]);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void DequantizeRows(const PackedQuant& w, int64_t r0, int64_t count, float* out) {
+  Dequantize(w, r0, count, out);
+}
+
+void DequantizeRows(const PackedQuant& w, int64_t r0, int64_t count, uint16_t* out) {
+  Dequantize(w, r0, count, out);
+}
+
 bool HasAvx512Vnni() {
   static const bool has = __builtin_cpu_supports("avx512vnni") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");

@@ -48,6 +48,12 @@ void QuantGemv(const float* x, const PackedQuant& w, const float* bias, float* y
 void QuantGemv(const uint16_t* x, const PackedQuant& w, const uint16_t* bias, uint16_t* y,
                int64_t m, CpuPath path = ActiveCpuPath());
 
+// Rows [r0, r0 + count) of w dequantized into out [count, w.cols] (fp32, or bf16 bit patterns
+// rounded to nearest even): the prefill's weights, a panel at a time, for the bf16 or fp32
+// GEMM of the CPU path.
+void DequantizeRows(const PackedQuant& w, int64_t r0, int64_t count, float* out);
+void DequantizeRows(const PackedQuant& w, int64_t r0, int64_t count, uint16_t* out);
+
 // True when this CPU has the AVX512-VNNI integer dot products (on 256-bit vectors) that the
 // avx512 and avx512bf16 paths use; without them those paths run the AVX2 kernels.
 bool HasAvx512Vnni();

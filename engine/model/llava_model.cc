@@ -123,7 +123,68 @@ class Taker {
 
 }  // namespace
 
+namespace {
+
+// Linear with quantized weights (CPU, outside autograd): see Linear::packed.
+at::Tensor QuantLinear(const at::Tensor& x, const PackedQuant& w, const at::Tensor& bias) {
+  const int64_t k = w.cols, n = w.rows, rows = x.numel() / k;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (!bf16 && x.scalar_type() != at::kFloat) {
+    throw std::invalid_argument("quantized linear: x must be bf16 or fp32");
+  }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor b = bias.defined() ? bias.to(x.scalar_type()).contiguous() : at::Tensor();
+  if (rows <= kStreamedMaxRows) {
+    at::Tensor y = at::empty(shape, x.options());
+    if (bf16) {
+      QuantGemv(static_cast<const uint16_t*>(xc.data_ptr()), w,
+                b.defined() ? static_cast<const uint16_t*>(b.data_ptr()) : nullptr,
+                static_cast<uint16_t*>(y.data_ptr()), rows);
+    } else {
+      QuantGemv(xc.data_ptr<float>(), w, b.defined() ? b.data_ptr<float>() : nullptr,
+                y.data_ptr<float>(), rows);
+    }
+    return y;
+  }
+  // A prefill: panels of rows dequantized (at most kLinearPanelFloats values, whole tiles),
+  // each multiplied by this path's GEMM (oneDNN's bf16 on AVX512-BF16, PanelLinear elsewhere).
+  const bool onednn = bf16 && CpuPathAtLeast(CpuPath::kAvx512Bf16);
+  const at::Tensor x2 = xc.reshape({rows, k});
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const int64_t panel =
+      std::max(kPackRows, kLinearPanelFloats / std::max<int64_t>(k, 1) / kPackRows * kPackRows);
+  for (int64_t r0 = 0; r0 < n; r0 += panel) {
+    const int64_t count = std::min(panel, n - r0);
+    at::Tensor wp = at::empty({count, k}, onednn ? at::kBFloat16 : at::kFloat);
+    if (onednn) {
+      DequantizeRows(w, r0, count, static_cast<uint16_t*>(wp.data_ptr()));
+    } else {
+      DequantizeRows(w, r0, count, wp.data_ptr<float>());
+    }
+    y.narrow(1, r0, count).copy_(onednn ? at::linear(x2, wp) : PanelLinear(x2, wp, at::Tensor()));
+  }
+  if (b.defined()) y.add_(b);
+  return y.view(shape);
+}
+
+}  // namespace
+
+Status QuantizeLinear(Linear* l, WeightFormat format) {
+  if (!l->weight.defined() || l->weight.dim() != 2 || !l->weight.is_cpu()) {
+    return InvalidArgument("only a 2-D CPU weight can be quantized");
+  }
+  const at::Tensor w = l->weight.to(at::kFloat).contiguous();
+  LLAVA_ASSIGN_OR_RETURN(QuantizedMatrix q,
+                         QuantizeMatrix(w.data_ptr<float>(), w.size(0), w.size(1), format));
+  l->packed = std::make_shared<const PackedQuant>(PackQuantized(q));
+  l->weight = at::Tensor();
+  return Status::Ok();
+}
+
 at::Tensor Linear::operator()(const at::Tensor& x) const {
+  if (packed != nullptr) return QuantLinear(x, *packed, bias);
   const int64_t k = weight.size(1), rows = x.numel() / std::max<int64_t>(k, 1);
   // Under autograd (the trainer's forward) or off the CPU: at::linear, whose backward and
   // device kernels those need.
@@ -457,6 +518,21 @@ Status LlavaModel::LoadWeights(WeightSource* reader) {
   } else {
     lm_head_ = embed_tokens_;
   }
+  logits_ = Linear{lm_head_, at::Tensor()};
+  if (options_.weights != WeightFormat::kBf16) {
+    if (!at::Device(options_.device).is_cpu()) {
+      return InvalidArgument(std::string("weights ") + WeightFormatName(options_.weights) +
+                             " run on the CPU only (device '" + options_.device + "')");
+    }
+    for (LlamaLayer& l : layers_) {
+      for (Linear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+        LLAVA_RETURN_IF_ERROR(QuantizeLinear(lin, options_.weights));
+      }
+    }
+    // The output projection in int8 for both formats (llama.cpp's Q4_K_M keeps it at 6 bits).
+    LLAVA_RETURN_IF_ERROR(QuantizeLinear(&logits_, WeightFormat::kInt8));
+    if (!lm_head_.is_same(embed_tokens_)) lm_head_ = at::Tensor();
+  }
   const int64_t hd = t.head_dim;
   inv_freq_ = at::pow(t.rope_theta, at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd))
                   .reciprocal()
@@ -758,7 +834,7 @@ at::Tensor LlavaModel::Forward(const std::vector<SequenceChunk>& chunks,
   at::Tensor last = RmsNorm(x.index_select(0, rows), final_norm_, t.rms_norm_eps);
   // The kernels of every other Linear: a decode step's few rows take the GEMV on every CPU
   // path (oneDNN ran one row at a quarter of its speed; docs/BENCHMARKS.md).
-  return Linear{lm_head_, at::Tensor()}(last).to(at::kFloat);  // [rows, V]
+  return logits_(last).to(at::kFloat);  // [rows, V]
 }
 
 }  // namespace llava

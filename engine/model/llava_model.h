@@ -13,11 +13,13 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/io/model_config.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/status.h"
+#include "engine/kernels/quant_gemv.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/model/model_options.h"
 
@@ -26,8 +28,13 @@ namespace llava {
 class WeightSource;
 
 struct Linear {
-  at::Tensor weight;  // [out, in]
+  Linear() = default;
+  Linear(at::Tensor w, at::Tensor b) : weight(std::move(w)), bias(std::move(b)) {}
+  at::Tensor weight;  // [out, in]; undefined when `packed` holds the weights
   at::Tensor bias;    // [out] or undefined
+  // Quantized weights (ModelOptions::weights): up to kStreamedMaxRows rows of x take QuantGemv,
+  // more rows (a prefill) a bf16 or fp32 GEMM over panels of dequantized rows.
+  std::shared_ptr<const PackedQuant> packed;
   // x [.., in] -> [.., out]. On the CPU outside autograd: up to GemvMaxRows() rows (8 on
   // AVX512-BF16 for bf16 and on generic, 64 on the other paths: cpu_gemv.h) take our
   // weight-streaming kernel in bf16 (Bf16Gemv) or fp32 (F32Gemv); more bf16 rows take oneDNN's
@@ -49,6 +56,10 @@ struct Linear {
 constexpr int64_t kLinearPanelFloats = int64_t{1} << 21;  // 8 MiB of fp32 weights
 constexpr int64_t kLinearChunkColumns = 4096;             // longer rows are added in chunks
 at::Tensor PanelLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
+// Replaces l's weight (CPU, 2-D) by its quantization to `format` (kInt8 or kInt4); the bias
+// stays. InvalidArgument for a weight it cannot quantize.
+Status QuantizeLinear(Linear* l, WeightFormat format);
 
 struct LayerNorm {
   at::Tensor weight, bias;  // [dim]
@@ -165,6 +176,7 @@ class LlavaModel {
   std::vector<LlamaLayer> layers_;
   at::Tensor final_norm_;  // [D]
   at::Tensor lm_head_;     // [V, D] (aliases embed_tokens_ when tied)
+  Linear logits_;          // lm_head_, or its quantization (ModelOptions::weights)
   at::Tensor inv_freq_;    // [hd/2] fp32 rotary frequencies
 };
 

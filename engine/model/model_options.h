@@ -5,12 +5,17 @@
 #include <string>
 
 #include "engine/io/safetensors.h"
+#include "engine/kernels/quant.h"
 
 namespace llava {
 
 struct ModelOptions {
   DType dtype = DType::kBF16;  // weights and activations; kF32 for reference numerics
   std::string device = "cpu";  // "cpu" or "cuda[:i]" (when built against a CUDA libtorch)
+  // The decoder's linear layers quantized at load (CPU only): kInt8 or kInt4 (engine/kernels/
+  // quant.h); the output projection is int8 in both. The vision tower, projector, embeddings and
+  // norms keep `dtype`.
+  WeightFormat weights = WeightFormat::kBf16;
 };
 
 }  // namespace llava
