@@ -403,30 +403,100 @@ PackedQuant PackQuantized(const QuantizedMatrix& q) {
 
 namespace {
 
+// One row's pair of groups dequantized into 64 values v (the scalar reference).
+void DequantizePair(const PackedQuant& w, const uint8_t* b, int64_t rr, float* v) {
+  const bool int4 = w.format == WeightFormat::kInt4;
+  const uint8_t* row = b + rr * w.row_bytes;
+  uint16_t h[4];  // scale 0, scale 1, minimum 0, minimum 1
+  std::memcpy(h, b + kPackRows * w.row_bytes + 4 * rr, 4);
+  if (int4) std::memcpy(h + 2, b + kPackRows * w.row_bytes + 16 + 4 * rr, 4);
+  for (int which = 0; which < 2; ++which) {
+    const float d = HalfToFloat(h[which]), m = int4 ? HalfToFloat(h[2 + which]) : 0.f;
+    for (int64_t j = 0; j < kQuantGroup; ++j) {
+      const int q =
+          int4 ? (j < kHalf ? row[which * kHalf + j] & 0xF : row[which * kHalf + j - kHalf] >> 4)
+               : static_cast<int8_t>(row[PairOffset(which, j)]);
+      v[which * kQuantGroup + j] = d * static_cast<float>(q) + m;
+    }
+  }
+}
+
+// The same for a whole pair on AVX2 (fp32 out) and AVX512-BF16 (bf16 out, rounded to nearest
+// even by vcvtneps2bf16): 8 values at a time, d * q + m rounded twice as the scalar code does
+// (no FMA), so every path gives the same panel.
+__attribute__((target("avx2,fma,f16c"))) void DequantizePairAvx2(const PackedQuant& w,
+                                                                 const uint8_t* b, int64_t rr,
+                                                                 float* out) {
+  const bool int4 = w.format == WeightFormat::kInt4;
+  const uint8_t* row = b + rr * w.row_bytes;
+  const __m128 s = _mm_cvtph_ps(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes + 4 * rr)));  // d0 d1 m0 m1
+  for (int which = 0; which < 2; ++which) {
+    const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(which ? _mm_shuffle_ps(s, s, 1) : s));
+    __m128i q16[2];  // the group's values 0-15 and 16-31 as bytes
+    if (int4) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + which * kHalf));
+      q16[0] = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+      q16[1] = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    } else {
+      q16[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + which * kHalf));
+      q16[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * kHalf + which * kHalf));
+    }
+    __m256 m = _mm256_setzero_ps();
+    if (int4) {
+      const __m128 mins = _mm_cvtph_ps(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(b + kPackRows * w.row_bytes + 16 + 4 * rr)));
+      m = _mm256_set1_ps(_mm_cvtss_f32(which ? _mm_shuffle_ps(mins, mins, 1) : mins));
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int e = 0; e < 2; ++e) {
+        const __m128i bytes = e == 0 ? q16[h] : _mm_srli_si128(q16[h], 8);
+        const __m256i ints = int4 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+        _mm256_storeu_ps(out + which * kQuantGroup + h * kHalf + e * 8,
+                         _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ints), d), m));
+      }
+    }
+  }
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16"))) void
+DequantizePairBf16(const PackedQuant& w, const uint8_t* b, int64_t rr, uint16_t* out) {
+  alignas(64) float v[kPairBytes];
+  DequantizePairAvx2(w, b, rr, v);
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * c),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(v + 16 * c)));
+  }
+}
+
 template <typename T>
 void Dequantize(const PackedQuant& w, int64_t r0, int64_t count, T* out) {
-  const bool int4 = w.format == WeightFormat::kInt4;
+  const CpuPath path = ActiveCpuPath();
+  const bool bf16_vectors = path >= CpuPath::kAvx512Bf16;
   at::parallel_for(0, count, 16, [&](int64_t c0, int64_t c1) {
-    float v[kPairBytes];
+    alignas(64) float v[kPairBytes];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t r = r0 + c;
       T* dst = out + c * w.cols;
       for (int64_t p = 0; p < w.pairs; ++p) {
         const uint8_t* b = Block(w, r / kPackRows, p);
-        const uint8_t* row = b + (r % kPackRows) * w.row_bytes;
-        uint16_t h[4];  // scale 0, scale 1, minimum 0, minimum 1
-        std::memcpy(h, b + kPackRows * w.row_bytes + 4 * (r % kPackRows), 4);
-        if (int4) std::memcpy(h + 2, b + kPackRows * w.row_bytes + 16 + 4 * (r % kPackRows), 4);
-        for (int which = 0; which < 2; ++which) {
-          const float d = HalfToFloat(h[which]), m = int4 ? HalfToFloat(h[2 + which]) : 0.f;
-          for (int64_t j = 0; j < kQuantGroup; ++j) {
-            const int q = int4 ? (j < kHalf ? row[which * kHalf + j] & 0xF
-                                            : row[which * kHalf + j - kHalf] >> 4)
-                               : static_cast<int8_t>(row[PairOffset(which, j)]);
-            v[which * kQuantGroup + j] = d * static_cast<float>(q) + m;
+        const int64_t n = std::min(kPairBytes, w.cols - p * kPairBytes);
+        if constexpr (std::is_same_v<T, float>) {
+          if (n == kPairBytes && path >= CpuPath::kAvx2) {
+            DequantizePairAvx2(w, b, r % kPackRows, dst + p * kPairBytes);
+            continue;
+          }
+        } else {
+          if (n == kPairBytes && bf16_vectors) {
+            DequantizePairBf16(w, b, r % kPackRows, dst + p * kPairBytes);
+            continue;
           }
         }
-        const int64_t n = std::min(kPairBytes, w.cols - p * kPairBytes);
+        if (path >= CpuPath::kAvx2) {
+          DequantizePairAvx2(w, b, r % kPackRows, v);
+        } else {
+          DequantizePair(w, b, r % kPackRows, v);
+        }
         for (int64_t j = 0; j < n; ++j) {
           if constexpr (std::is_same_v<T, float>) {
             dst[p * kPairBytes + j] = v[j];
