@@ -19,7 +19,8 @@ RUN apt-get update -qq \
       libopencv-imgcodecs406 libspdlog1.10 libprotobuf32 libgrpc++1.51 libprometheus-cpp-core1.0 \
       libssl3 \
  && rm -rf /var/lib/apt/lists/*
-COPY --from=build /src/build/llava-server /src/build/llava-chat /src/build/llava-generate /usr/local/bin/
+COPY --from=build /src/build/llava-server /src/build/llava-chat /src/build/llava-generate \
+     /src/build/llava-quantize /usr/local/bin/
 COPY models/shapes-llava /opt/llava/models/shapes-llava
 COPY models/examples /opt/llava/examples
 # Unprivileged; deploy/kubernetes runs it as this UID with a read-only root filesystem.

@@ -284,7 +284,9 @@ TEST_F(TinyModelTest, QuantizedWeightsTrackTheF32Run) {
     // (the trained model's cost is measured in docs/BENCHMARKS.md, "Quantized weights").
     EXPECT_LT(err, f == WeightFormat::kInt8 ? 1e-3 : 0.3) << WeightFormatName(f);
     if (f == WeightFormat::kInt8) err8 = err;
-    if (f == WeightFormat::kInt4) EXPECT_GT(err, err8);
+    if (f == WeightFormat::kInt4) {
+      EXPECT_GT(err, err8);
+    }
     auto cache = q->NewFullCache();
     std::vector<at::Tensor> rows = {
         Pass(*q, {{q->Embed(ids.narrow(0, 0, prefix)), 0, cache.get(), false}})};

@@ -9,6 +9,7 @@
 namespace llava {
 namespace {
 
+using ::llava::testing::ReadFile;
 using ::llava::testing::WriteFile;
 
 std::string TmpPath(const std::string& name) { return ::testing::TempDir() + "/" + name; }
@@ -41,6 +42,21 @@ TEST(Safetensors, RoundTripsTensorsAndMetadata) {
   EXPECT_EQ(std::memcmp(tb->data, b, sizeof(b)), 0);
   EXPECT_EQ((*f)->metadata().at("format"), "pt");
   EXPECT_EQ((*f)->Find("c"), nullptr);
+}
+
+// U8: the raw bytes of quantized weights (engine/model/quantized_checkpoint.h).
+TEST(Safetensors, RoundTripsBytes) {
+  const uint8_t q[4] = {0x00, 0x7f, 0x80, 0xff};
+  const std::string path = TmpPath("u8.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"q", DType::kU8, {2, 2}, q}}).ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const TensorInfo* t = (*f)->Find("q");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->dtype, DType::kU8);
+  EXPECT_EQ(t->nbytes, 4u);
+  EXPECT_EQ(std::memcmp(t->data, q, sizeof(q)), 0);
+  EXPECT_NE(ReadFile(path).find(R"("dtype":"U8")"), std::string::npos);
 }
 
 struct BadCase {

@@ -50,7 +50,9 @@ TEST(WeightManifestTest, EveryNameRoundTripsThroughBothGenerations) {
   for (const WeightSpec& s : LlavaWeightManifest(c)) {
     for (TensorNaming naming : {TensorNaming::kOld, TensorNaming::kNew}) {
       const std::string stored = CheckpointTensorName(s.name, naming);
-      if (s.name != "lm_head.weight" || naming == TensorNaming::kOld) EXPECT_NE(stored, s.name);
+      if (s.name != "lm_head.weight" || naming == TensorNaming::kOld) {
+        EXPECT_NE(stored, s.name);
+      }
       auto back = CanonicalTensorName(stored);
       ASSERT_TRUE(back.ok()) << back.status().ToString();
       EXPECT_EQ(*back, s.name);

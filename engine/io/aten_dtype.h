@@ -16,6 +16,8 @@ inline c10::ScalarType ScalarTypeOf(DType d) {
       return c10::kHalf;
     case DType::kBF16:
       return c10::kBFloat16;
+    case DType::kU8:
+      return c10::kByte;
   }
   return c10::kFloat;
 }

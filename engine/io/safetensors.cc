@@ -24,6 +24,8 @@ bool ParseDType(const std::string& s, DType* out) {
     *out = DType::kF16;
   else if (s == "BF16")
     *out = DType::kBF16;
+  else if (s == "U8")
+    *out = DType::kU8;
   else
     return false;
   return true;
@@ -39,11 +41,24 @@ const char* DTypeName(DType dtype) {
       return "F16";
     case DType::kBF16:
       return "BF16";
+    case DType::kU8:
+      return "U8";
   }
   return "?";
 }
 
-size_t DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+    case DType::kBF16:
+      return 2;
+    case DType::kU8:
+      return 1;
+  }
+  return 4;
+}
 
 int64_t TensorInfo::numel() const {
   int64_t n = 1;

@@ -21,9 +21,11 @@
 
 namespace llava {
 
-enum class DType { kF32, kF16, kBF16 };
+// kU8: raw bytes (quantized weights' values, engine/model/quantized_checkpoint.h), never a
+// model's compute type.
+enum class DType { kF32, kF16, kBF16, kU8 };
 
-const char* DTypeName(DType dtype);  // "F32", "F16", "BF16" (safetensors spelling)
+const char* DTypeName(DType dtype);  // "F32", "F16", "BF16", "U8" (safetensors spelling)
 size_t DTypeSize(DType dtype);       // bytes per element
 
 struct TensorInfo {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 
 #include "engine/io/aten_dtype.h"
@@ -16,6 +17,7 @@
 #include "engine/kernels/cpu_ops.h"
 #include "engine/kernels/decode_attention.h"
 #include "engine/model/autograd_ops.h"
+#include "engine/model/quantized_checkpoint.h"
 #include "engine/model/weights.h"
 
 #ifdef LLAVA_WITH_CUDA
@@ -103,12 +105,13 @@ class Taker {
     if (it == shapes_.end()) return Internal("'" + name + "' is not in the weight manifest");
     return r_->Take(name, it->second, fp32 ? DType::kF32 : o_.dtype, o_.device, out);
   }
-  // `name`.weight, and `name`.bias where the manifest has one.
-  Status GetLinear(const std::string& name, Linear* l) {
-    LLAVA_RETURN_IF_ERROR(Get(name + ".weight", &l->weight));
+  // `name`.bias where the manifest has one (else `out` is left as it is).
+  Status GetBias(const std::string& name, at::Tensor* out) {
     if (shapes_.count(name + ".bias") == 0) return Status::Ok();
-    return Get(name + ".bias", &l->bias);
+    return Get(name + ".bias", out);
   }
+  // The manifest's shape of `name` (which must be in it).
+  const std::vector<int64_t>& Shape(const std::string& name) const { return shapes_.at(name); }
   Status GetLayerNorm(const std::string& name, double eps, LayerNorm* ln) {
     ln->eps = eps;
     LLAVA_RETURN_IF_ERROR(Get(name + ".weight", &ln->weight, /*fp32=*/true));
@@ -491,24 +494,107 @@ Status LlavaModel::LoadWeights(WeightSource* reader) {
   Taker take(reader, options_, config_);
   clip_layers_.resize(config_.vision_layers_needed());
   layers_.resize(t.num_hidden_layers);
+  if (options_.weights != WeightFormat::kBf16 && !at::Device(options_.device).is_cpu()) {
+    return InvalidArgument(std::string("weights ") + WeightFormatName(options_.weights) +
+                           " run on the CPU only (device '" + options_.device + "')");
+  }
+  // The decoder's projections: stored quantized (llava-quantize: quantized_checkpoint.h), or
+  // quantized here from fp32 when options_.weights asks for it, one layer at a time.
+  std::optional<WeightFormat> stored;
+  int plain = 0;
   for (const Slot& s : Slots()) {
     if (s.tensor != nullptr) {
       LLAVA_RETURN_IF_ERROR(take.Get(s.name, s.tensor));
-    } else if (s.norm != nullptr) {
-      LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(s.name, config_.vision.layer_norm_eps, s.norm));
-    } else if (s.parts.empty()) {
-      LLAVA_RETURN_IF_ERROR(take.GetLinear(s.name, s.linear));
-    } else {
-      std::vector<at::Tensor> weights, biases;
-      for (const std::string& part : s.parts) {
-        Linear l;
-        LLAVA_RETURN_IF_ERROR(take.GetLinear(part, &l));
-        weights.push_back(l.weight);
-        if (l.bias.defined()) biases.push_back(l.bias);
-      }
-      s.linear->weight = at::cat(weights, 0);
-      if (!biases.empty()) s.linear->bias = at::cat(biases, 0);
+      continue;
     }
+    if (s.norm != nullptr) {
+      LLAVA_RETURN_IF_ERROR(take.GetLayerNorm(s.name, config_.vision.layer_norm_eps, s.norm));
+      continue;
+    }
+    const std::vector<std::string> parts =
+        s.parts.empty() ? std::vector<std::string>{s.name} : s.parts;
+    if (IsQuantizedLinear(s.name)) {
+      QuantizedMatrix all;
+      int found = 0;
+      for (const std::string& part : parts) {
+        QuantizedMatrix m;
+        bool here = false;
+        const std::vector<int64_t>& shape = take.Shape(part + ".weight");
+        LLAVA_RETURN_IF_ERROR(TakeStoredQuantized(reader, part, shape[0], shape[1], &m, &here));
+        if (!here) continue;
+        if (found++ > 0 && m.format != all.format) {
+          return InvalidArgument("quantized weights: '" + part + "' is " +
+                                 WeightFormatName(m.format) + ", the layer's others " +
+                                 WeightFormatName(all.format));
+        }
+        all.format = m.format;
+        all.cols = m.cols;
+        all.rows += m.rows;
+        all.data.insert(all.data.end(), m.data.begin(), m.data.end());
+        all.scale.insert(all.scale.end(), m.scale.begin(), m.scale.end());
+        all.min.insert(all.min.end(), m.min.begin(), m.min.end());
+      }
+      if (found > 0) {
+        if (found != static_cast<int>(parts.size()) || (stored && *stored != all.format)) {
+          return InvalidArgument("quantized weights: '" + s.name +
+                                 "' mixes formats, or quantized and plain parts");
+        }
+        stored = all.format;
+        s.linear->packed = std::make_shared<const PackedQuant>(PackQuantized(all));
+        std::vector<at::Tensor> biases;
+        for (const std::string& part : parts) {
+          at::Tensor b;
+          LLAVA_RETURN_IF_ERROR(take.GetBias(part, &b));
+          if (b.defined()) biases.push_back(b);
+        }
+        if (!biases.empty()) s.linear->bias = at::cat(biases, 0);
+        continue;
+      }
+      ++plain;
+    }
+    const bool quantize = IsQuantizedLinear(s.name) && options_.weights != WeightFormat::kBf16;
+    std::vector<at::Tensor> weights, biases;
+    for (const std::string& part : parts) {
+      at::Tensor w, b;
+      LLAVA_RETURN_IF_ERROR(take.Get(part + ".weight", &w, /*fp32=*/quantize));
+      LLAVA_RETURN_IF_ERROR(take.GetBias(part, &b));
+      weights.push_back(w);
+      if (b.defined()) biases.push_back(b);
+    }
+    s.linear->weight = weights.size() == 1 ? weights[0] : at::cat(weights, 0);
+    if (!biases.empty()) s.linear->bias = biases.size() == 1 ? biases[0] : at::cat(biases, 0);
+    if (quantize) LLAVA_RETURN_IF_ERROR(QuantizeLinear(s.linear, options_.weights));
+  }
+  if (stored) {
+    if (plain > 0) {
+      return InvalidArgument("quantized weights: the checkpoint holds " + std::to_string(plain) +
+                             " decoder projections unquantized beside quantized ones");
+    }
+    if (options_.weights != WeightFormat::kBf16 && options_.weights != *stored) {
+      return InvalidArgument(std::string("--weights ") + WeightFormatName(options_.weights) +
+                             ": the checkpoint holds " + WeightFormatName(*stored) +
+                             " weights (requantizing them is not supported)");
+    }
+    if (!at::Device(options_.device).is_cpu()) {
+      return InvalidArgument(std::string("the checkpoint's ") + WeightFormatName(*stored) +
+                             " weights run on the CPU only (device '" + options_.device + "')");
+    }
+    options_.weights = *stored;  // the format the model runs in
+  }
+
+  // The output projection: stored quantized, or lm_head (or the tied embeddings), quantized to
+  // int8 when the decoder is (llama.cpp's Q4_K_M keeps it at 6 bits).
+  QuantizedMatrix head;
+  bool head_stored = false;
+  LLAVA_RETURN_IF_ERROR(
+      TakeStoredQuantized(reader, "lm_head", t.vocab_size, t.hidden_size, &head, &head_stored));
+  if (head_stored) {
+    if (!at::Device(options_.device).is_cpu()) {
+      return InvalidArgument("the checkpoint's quantized lm_head runs on the CPU only");
+    }
+    logits_ = Linear{};
+    logits_.packed = std::make_shared<const PackedQuant>(PackQuantized(head));
+    return FinishLoad(reader);
   }
   if (!t.tie_word_embeddings) {
     LLAVA_RETURN_IF_ERROR(take.Get("lm_head.weight", &lm_head_));
@@ -520,19 +606,14 @@ Status LlavaModel::LoadWeights(WeightSource* reader) {
   }
   logits_ = Linear{lm_head_, at::Tensor()};
   if (options_.weights != WeightFormat::kBf16) {
-    if (!at::Device(options_.device).is_cpu()) {
-      return InvalidArgument(std::string("weights ") + WeightFormatName(options_.weights) +
-                             " run on the CPU only (device '" + options_.device + "')");
-    }
-    for (LlamaLayer& l : layers_) {
-      for (Linear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-        LLAVA_RETURN_IF_ERROR(QuantizeLinear(lin, options_.weights));
-      }
-    }
-    // The output projection in int8 for both formats (llama.cpp's Q4_K_M keeps it at 6 bits).
     LLAVA_RETURN_IF_ERROR(QuantizeLinear(&logits_, WeightFormat::kInt8));
     if (!lm_head_.is_same(embed_tokens_)) lm_head_ = at::Tensor();
   }
+  return FinishLoad(reader);
+}
+
+Status LlavaModel::FinishLoad(WeightSource* reader) {
+  const TextConfig& t = config_.text;
   const int64_t hd = t.head_dim;
   inv_freq_ = at::pow(t.rope_theta, at::arange(0, hd, 2, at::kDouble) / static_cast<double>(hd))
                   .reciprocal()

@@ -145,6 +145,7 @@ class LlavaModel {
  private:
   LlavaModel() = default;
   Status LoadWeights(WeightSource* source);
+  Status FinishLoad(WeightSource* source);  // rotary frequencies, the unused-tensor check
   // Where each tensor the forward pass reads lives in this model, under its parameter name:
   // the one walk that the loader and the trainer's parameter list share (lm_head apart: it
   // may alias the token embeddings). Layers must be sized first.

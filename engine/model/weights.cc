@@ -157,6 +157,19 @@ Status CheckpointReader::Take(const std::string& canonical, const std::vector<in
   return Status::Ok();
 }
 
+const TensorInfo* CheckpointReader::TakeStored(const std::string& canonical) {
+  const TensorInfo* info = Find(canonical);
+  if (info != nullptr) taken_.insert(canonical);
+  return info;
+}
+
+std::vector<std::string> CheckpointReader::CanonicalNames() const {
+  std::vector<std::string> names;
+  for (const auto& [name, info] : tensors_) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 Status CheckpointReader::CheckAllTaken(
     const std::function<bool(const std::string&)>& ignorable) const {
   std::vector<std::string> unused;

@@ -35,6 +35,10 @@ class WeightSource {
   // outlive the tensor.
   virtual Status Take(const std::string& canonical, const std::vector<int64_t>& shape, DType dtype,
                       const std::string& device, at::Tensor* out) = 0;
+  // Tensor `canonical` as the file stores it (any dtype, no conversion), marked taken; nullptr
+  // when absent or when the source holds no stored bytes (in-memory tensors). The quantized
+  // weights' way in (engine/model/quantized_checkpoint.h); valid while the source lives.
+  virtual const TensorInfo* TakeStored(const std::string& canonical) { return nullptr; }
   // Fails, naming them, if tensors remain that were never taken and `ignorable` rejects.
   virtual Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const = 0;
 };
@@ -55,9 +59,15 @@ class CheckpointReader final : public WeightSource {
   // read-only memory mapping (no copy).
   Status Take(const std::string& canonical, const std::vector<int64_t>& shape, DType dtype,
               const std::string& device, at::Tensor* out) override;
+  const TensorInfo* TakeStored(const std::string& canonical) override;
   Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const override;
 
   const std::string& dir() const { return dir_; }
+  // Every tensor's canonical name, sorted, and the name the file gives it.
+  std::vector<std::string> CanonicalNames() const;
+  const std::string& OriginalName(const std::string& canonical) const {
+    return original_names_.at(canonical);
+  }
   // The number of elements of every tensor in the folder (read from the headers).
   int64_t ParameterCount() const;
 
