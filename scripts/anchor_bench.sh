@@ -3,8 +3,10 @@
 # the same machine: `llava-bench` (4 random bf16 layers at LLaVA-7B shapes, 2 threads) and
 # `llama-bench` on the GGUF of the same shapes (scripts/anchor_gguf.py), pp512 and tg128.
 #
-# usage: scripts/anchor_bench.sh LLAMA_BENCH GGUF [CPU_PATH] [RUNS]
+# usage: scripts/anchor_bench.sh LLAMA_BENCH GGUF [CPU_PATH] [RUNS] [WEIGHTS]
 #   CPU_PATH: empty for this CPU's best path, or avx2 / avx512 / generic to force a lower one.
+#   WEIGHTS: our --weights (bf16, int8, int4), against a GGUF of the matching format made by
+#   llama.cpp's own llama-quantize (Q8_0 for int8, Q4_K_M or Q4_1 for int4).
 #   Forcing avx2 on an AVX-512 machine stands in for an AVX2-only CPU: libtorch's own kernels
 #   are limited the same way (ATen's dispatch, oneDNN, OpenBLAS), and LLAMA_BENCH should then
 #   be a llama.cpp built with -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
@@ -14,6 +16,7 @@ llama_bench=$1
 gguf=$2
 cpu_path=${3:-}
 runs=${4:-3}
+weights=${5:-bf16}
 cd "$(dirname "$0")/.."
 
 ours_env=()
@@ -29,7 +32,7 @@ fi
 
 for i in $(seq "$runs"); do
   echo "== run $i $(date -u +%H:%M:%S)"
-  env "${ours_env[@]}" build/llava-bench --threads 2 --batches 1 8 | grep -E '^(cpu_path|layers)='
+  env "${ours_env[@]}" build/llava-bench --threads 2 --batches 1 8 --weights "$weights" | grep -E '^(cpu_path|layers)='
   "$llama_bench" -m "$gguf" -t 2 -p 512 -n 128 -r 3 -o csv 2>/dev/null |
     awk -F, '{ gsub(/"/, "") } NR == 1 { for (c = 1; c <= NF; ++c) col[$c] = c; next }
              { printf "llama.cpp n_prompt=%s n_gen=%s avg_ts=%s\n",

@@ -213,7 +213,8 @@ int main(int argc, char** argv) {
   std::string weights = "bf16";
   app.add_option("--weights", weights,
                  "the decoder's linear layers: bf16 (as loaded, --dtype) | int8 | int4 (quantized "
-                 "at load, CPU only; docs/BENCHMARKS.md, \"Quantized weights\")")
+                 "at load, CPU only; a checkpoint of llava-quantize runs its own format; "
+                 "docs/BENCHMARKS.md, \"Quantized weights\")")
       ->envname(env("WEIGHTS"))
       ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
@@ -280,6 +281,10 @@ int main(int argc, char** argv) {
   if (!loaded.ok()) {
     spdlog::error("{}", loaded.status().ToString());
     return 1;
+  }
+  if ((*loaded)->options().weights != options.weights) {
+    spdlog::info("the checkpoint holds {} decoder weights (llava-quantize): they run as stored",
+                 llava::WeightFormatName((*loaded)->options().weights));
   }
 
   llava::EngineOptions eo;
