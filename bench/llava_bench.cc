@@ -17,7 +17,9 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <functional>
 
 #include "engine/kernels/activation_memory.h"
 #include "engine/kernels/cpu_features.h"
@@ -482,6 +484,43 @@ void QuantSuite(int reps) {
   }
 }
 
+// The quantized formats' logit error against the bf16 model (and, for scale, bf16's own against
+// fp32), on the same weights: a 128-token prompt, then 16 decoded tokens fed the same ids, so
+// that the prefill's dequantized panels and the decode GEMV both count. Prints the normalised
+// mean squared error of the logits, their relative RMS error and how often the top token agrees.
+void LogitErrorSuite(
+    const std::function<llava::LlavaModel*(llava::DType, llava::WeightFormat)>& make, int prompt,
+    int steps) {
+  auto run = [&](const llava::LlavaModel& m, const at::Tensor& ids) {
+    const auto pool = PoolFor(m, 1, ids.numel() + 1);
+    auto cache = llava::NewKvCache(pool.get(), FullCache());
+    std::vector<at::Tensor> rows = {
+        Feed(m, {{m.Embed(ids.narrow(0, 0, prompt)), 0, cache.get(), true}})};
+    for (int64_t t = prompt; t < ids.numel(); ++t) {
+      rows.push_back(
+          Feed(m, {{m.Embed(ids.narrow(0, t, 1)), cache->NextPosition(), cache.get(), false}}));
+    }
+    return at::cat(rows, 0).to(at::kDouble);
+  };
+  const llava::LlavaModel* bf16 = make(llava::DType::kBF16, llava::WeightFormat::kBf16);
+  const at::Tensor ids =
+      at::randint(3, bf16->config().text.vocab_size, {prompt + steps}, at::kLong);
+  const at::Tensor ref = run(*bf16, ids);
+  const at::Tensor ref_top = ref.argmax(-1);
+  std::printf("suite=logit-error rows=%lld logit_std=%.4f\n", static_cast<long long>(ref.size(0)),
+              ref.std().item<double>());
+  auto report = [&](const char* name, const at::Tensor& l) {
+    const double nmse = (l - ref).pow(2).sum().item<double>() / ref.pow(2).sum().item<double>();
+    const double agree = l.argmax(-1).eq(ref_top).to(at::kDouble).mean().item<double>();
+    std::printf("suite=logit-error weights=%s nmse_vs_bf16=%.3g rel_rms=%.4f top1_agree=%.3f\n",
+                name, nmse, std::sqrt(nmse), agree);
+  };
+  report("f32", run(*make(llava::DType::kF32, llava::WeightFormat::kBf16), ids));
+  for (llava::WeightFormat f : {llava::WeightFormat::kInt8, llava::WeightFormat::kInt4}) {
+    report(llava::WeightFormatName(f), run(*make(llava::DType::kBF16, f), ids));
+  }
+}
+
 // One decode step's attention outside the model: `batch` sequences, each with a bf16 cache of
 // `len` rows per layer (2 KV heads of 64, 4 query heads: the default model's shapes), one
 // DecodeAttention call per layer. Prints ms per step (median of reps) and the cache bytes read
@@ -578,9 +617,10 @@ int main(int argc, char** argv) {
                  "decoder (issue 2 numbers) | policies (Elastic vs Full) | paper (the paper's "
                  "throughput experiment: --prompt, --answer, --batches, Full vs Elastic 0.2) | "
                  "matmul (bf16 GEMM kernels at prefill shapes) | quant (int8 and int4 decode "
-                 "products against bf16) | attention (decode attention kernel: --batches, "
-                 "--context rows, --layers)")
-      ->check(CLI::IsMember({"decoder", "policies", "paper", "matmul", "quant", "attention"}))
+                 "products against bf16) | logit-error (int8 and int4 logits against bf16's) | "
+                 "attention (decode attention kernel: --batches, --context rows, --layers)")
+      ->check(CLI::IsMember(
+          {"decoder", "policies", "paper", "matmul", "quant", "logit-error", "attention"}))
       ->capture_default_str();
   int answer = 512, max_batch = 128;
   double kv_budget_gb = 0, gamma = 0.2;
@@ -653,6 +693,30 @@ int main(int argc, char** argv) {
   }
   if (suite == "matmul") {
     MatmulSuite(std::max(3, reps), threads);
+    return 0;
+  }
+  if (suite == "logit-error") {
+    if (!device.is_cpu()) {
+      std::fprintf(stderr, "--suite logit-error: quantized weights run on the CPU only\n");
+      return 1;
+    }
+    const llava::LlavaConfig config = BenchConfig(layers);
+    // One set of random weights for every model (unless --model names a folder).
+    const auto random = model_dir.empty() ? RandomWeights(config, device)
+                                          : std::vector<std::pair<std::string, at::Tensor>>{};
+    std::vector<std::unique_ptr<llava::LlavaModel>> models;
+    auto make = [&](llava::DType dtype, llava::WeightFormat f) -> llava::LlavaModel* {
+      llava::ModelOptions o;
+      o.dtype = dtype;
+      o.weights = f;
+      auto m = model_dir.empty()
+                   ? llava::LlavaModel::FromWeights(config, llava::NewTensorMapSource(random), o)
+                   : llava::LlavaModel::Load(model_dir, o);
+      if (!m.ok()) throw std::runtime_error(m.status().ToString());
+      models.push_back(std::move(m).value());
+      return models.back().get();
+    };
+    LogitErrorSuite(make, 128, 16);
     return 0;
   }
   // 1 GiB is far beyond a CPU's caches; a GPU reads it in ~0.3 ms, so it gets 8 GiB there.
