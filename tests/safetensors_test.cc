@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
+#include <vector>
 
 #include "tests/test_util.h"
 
@@ -57,6 +59,44 @@ TEST(Safetensors, RoundTripsBytes) {
   EXPECT_EQ(t->nbytes, 4u);
   EXPECT_EQ(std::memcmp(t->data, q, sizeof(q)), 0);
   EXPECT_NE(ReadFile(path).find(R"("dtype":"U8")"), std::string::npos);
+}
+
+int64_t RssFileBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("RssFile:", 0) == 0) return std::stoll(line.substr(8)) * 1024;
+  }
+  return -1;
+}
+
+// A tensor's released pages leave the process's resident memory, and still read the same.
+TEST(Safetensors, ReleasedPagesLeaveResidentMemoryAndReadTheSame) {
+  std::vector<float> a(4 << 20);  // 16 MiB
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i % 1000);
+  const std::string path = TmpPath("release.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"a", DType::kF32, {4, 1 << 20}, a.data()}}).ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok());
+  const TensorInfo* t = (*f)->Find("a");
+  ASSERT_NE(t, nullptr);
+  auto sum = [&] {
+    double s = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      float v;
+      std::memcpy(&v, t->data + 4 * i, 4);
+      s += v;
+    }
+    return s;
+  };
+  const double before = sum();
+  const int64_t touched = RssFileBytes();
+  (*f)->ReleasePages(*t);
+  const int64_t released = RssFileBytes();
+  if (touched >= 0) {
+    EXPECT_LT(released, touched - (12 << 20)) << touched << " -> " << released;
+  }
+  EXPECT_EQ(sum(), before);
 }
 
 struct BadCase {

@@ -60,6 +60,15 @@ size_t DTypeSize(DType dtype) {
   return 4;
 }
 
+void SafetensorsFile::ReleasePages(const TensorInfo& t) const {
+  const auto begin = reinterpret_cast<uintptr_t>(t.data), end = begin + t.nbytes;
+  const auto map_begin = reinterpret_cast<uintptr_t>(map_);
+  if (!owns_map_ || begin < map_begin || end > map_begin + map_size_) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t first = (begin + page - 1) / page * page, last = end / page * page;
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 int64_t TensorInfo::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

@@ -55,6 +55,11 @@ class SafetensorsFile {
   const TensorInfo* Find(const std::string& name) const;
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Drops the pages that lie wholly inside tensor `t`'s bytes from this process's resident
+  // memory (madvise MADV_DONTNEED): for a tensor that was copied or converted and whose mapped
+  // bytes are not read again. Reading them later is still correct (they fault in from the
+  // file again). A no-op for a buffer (FromBuffer) or a tensor of another file.
+  void ReleasePages(const TensorInfo& t) const;
 
  private:
   SafetensorsFile() = default;

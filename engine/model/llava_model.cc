@@ -562,6 +562,9 @@ Status LlavaModel::LoadWeights(WeightSource* reader) {
       if (b.defined()) biases.push_back(b);
     }
     s.linear->weight = weights.size() == 1 ? weights[0] : at::cat(weights, 0);
+    if (weights.size() > 1) {  // stacked into a copy: the parts' mapped pages are not read again
+      for (const std::string& part : parts) reader->ReleaseStored(part + ".weight");
+    }
     if (!biases.empty()) s.linear->bias = biases.size() == 1 ? biases[0] : at::cat(biases, 0);
     if (quantize) LLAVA_RETURN_IF_ERROR(QuantizeLinear(s.linear, options_.weights));
   }

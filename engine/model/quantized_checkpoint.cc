@@ -41,6 +41,7 @@ Status TakeHalves(WeightSource* source, const std::string& name, int64_t rows, i
   }
   out->resize(rows * groups);
   std::memcpy(out->data(), t->data, t->nbytes);
+  source->ReleaseStored(name);
   for (uint16_t h : *out) {
     if ((h & 0x7c00) == 0x7c00) {
       return InvalidArgument("quantized weights: tensor '" + name + "' holds a NaN or infinity");
@@ -117,6 +118,7 @@ Status TakeStoredQuantized(WeightSource* source, const std::string& layer, int64
   }
   m.format = q->shape[1] == padded ? WeightFormat::kInt8 : WeightFormat::kInt4;
   m.data.assign(q->data, q->data + q->nbytes);
+  source->ReleaseStored(qname);
   LLAVA_RETURN_IF_ERROR(TakeHalves(source, layer + ".scales", rows, m.groups_per_row(), &m.scale));
   const bool has_mins = source->Has(layer + ".mins");
   if (m.format == WeightFormat::kInt4) {

@@ -109,6 +109,7 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::st
       }
       r->tensors_[*canonical] = &t;
       r->original_names_[*canonical] = t.name;
+      r->files_by_tensor_[*canonical] = f.get();
     }
     r->files_.push_back(std::move(f));
   }
@@ -153,6 +154,7 @@ Status CheckpointReader::Take(const std::string& canonical, const std::vector<in
     *out = t;  // aliases the read-only mapping: never written to
   } else {
     *out = t.to(dev, ScalarTypeOf(dtype), /*non_blocking=*/false, /*copy=*/true).contiguous();
+    ReleaseStored(canonical);
   }
   return Status::Ok();
 }
@@ -161,6 +163,11 @@ const TensorInfo* CheckpointReader::TakeStored(const std::string& canonical) {
   const TensorInfo* info = Find(canonical);
   if (info != nullptr) taken_.insert(canonical);
   return info;
+}
+
+void CheckpointReader::ReleaseStored(const std::string& canonical) {
+  auto it = files_by_tensor_.find(canonical);
+  if (it != files_by_tensor_.end()) it->second->ReleasePages(*tensors_.at(canonical));
 }
 
 std::vector<std::string> CheckpointReader::CanonicalNames() const {

@@ -39,6 +39,9 @@ class WeightSource {
   // when absent or when the source holds no stored bytes (in-memory tensors). The quantized
   // weights' way in (engine/model/quantized_checkpoint.h); valid while the source lives.
   virtual const TensorInfo* TakeStored(const std::string& canonical) { return nullptr; }
+  // The caller has copied what TakeStored gave and will not read it again: its mapped pages may
+  // leave the process's resident memory (SafetensorsFile::ReleasePages).
+  virtual void ReleaseStored(const std::string& canonical) {}
   // Fails, naming them, if tensors remain that were never taken and `ignorable` rejects.
   virtual Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const = 0;
 };
@@ -56,10 +59,12 @@ class CheckpointReader final : public WeightSource {
   bool Has(const std::string& canonical) const override { return Find(canonical) != nullptr; }
 
   // When the stored dtype already matches and the device is the CPU, the tensor aliases the
-  // read-only memory mapping (no copy).
+  // read-only memory mapping (no copy); otherwise the copy is made and the mapped bytes' pages
+  // are released from resident memory (ReleaseStored).
   Status Take(const std::string& canonical, const std::vector<int64_t>& shape, DType dtype,
               const std::string& device, at::Tensor* out) override;
   const TensorInfo* TakeStored(const std::string& canonical) override;
+  void ReleaseStored(const std::string& canonical) override;
   Status CheckAllTaken(const std::function<bool(const std::string&)>& ignorable) const override;
 
   const std::string& dir() const { return dir_; }
@@ -77,6 +82,7 @@ class CheckpointReader final : public WeightSource {
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::unordered_map<std::string, const TensorInfo*> tensors_;  // canonical -> info
   std::unordered_map<std::string, std::string> original_names_;
+  std::unordered_map<std::string, const SafetensorsFile*> files_by_tensor_;  // canonical -> file
   std::set<std::string> taken_;
 };
 
