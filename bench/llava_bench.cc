@@ -594,6 +594,53 @@ void AttentionSuite(int reps, int batch, int len, int layers) {
         batch, len, layers, static_cast<long long>(page), paged, bytes / (paged / 1e3) / 1e9,
         paged / step_ms);
   }
+
+  // int8 entries in pages of 16 (--kv-cache-dtype int8): the integers and one fp32 scale per
+  // row, hd + 4 bytes a head row against bf16's 2 hd. cache_gb_s counts the bytes read.
+  {
+    constexpr int64_t page = 16;
+    const int64_t per_seq = (len + page - 1) / page, total = per_seq * batch;
+    std::vector<int32_t> ids(total);
+    for (int64_t i = 0; i < total; ++i) ids[i] = static_cast<int32_t>((i * 7919) % total);
+    std::vector<at::Tensor> pools, scales;
+    std::vector<std::vector<llava::DecodeKv>> caches(layers);
+    for (int l = 0; l < layers; ++l) {
+      pools.push_back(at::randint(-127, 128, {2, total, 2, page, 64}, at::kChar));
+      scales.push_back(at::rand({2, total, 2, page}) / 64);
+      for (int b = 0; b < batch; ++b) {
+        llava::DecodeKv c;
+        c.keys = pools.back()[0].data_ptr();
+        c.values = pools.back()[1].data_ptr();
+        c.key_scales = scales.back()[0].data_ptr<float>();
+        c.value_scales = scales.back()[1].data_ptr<float>();
+        c.pages = ids.data() + b * per_seq;
+        c.page_rows = page;
+        c.page_stride = 2 * page * 64;
+        c.key_head_stride = c.value_head_stride = page * 64;
+        c.key_row_stride = c.value_row_stride = 64;
+        c.scale_page_stride = 2 * page;
+        c.scale_head_stride = page;
+        c.len = len;
+        caches[l].push_back(c);
+      }
+    }
+    std::vector<double> int8_ms;
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kSteps; ++i) {
+        for (int l = 0; l < layers; ++l) {
+          (void)llava::DecodeAttention(q, caches[l], at::kChar, 2, want, nullptr);
+        }
+      }
+      int8_ms.push_back(Seconds(t0) / kSteps * 1e3);
+    }
+    const double t = Median(int8_ms);
+    const double int8_bytes = 2.0 * batch * layers * 2 * len * (64 + 4);
+    std::printf(
+        "suite=attention batch=%d len=%d layers=%d layout=pages16_int8 step_ms=%.3f "
+        "cache_gb_s=%.1f vs_contiguous=%.3f\n",
+        batch, len, layers, t, int8_bytes / (t / 1e3) / 1e9, t / step_ms);
+  }
 }
 
 int main(int argc, char** argv) {
@@ -638,6 +685,11 @@ int main(int argc, char** argv) {
                  "decoder, policies and paper suites: bf16 | int8 | int4 (llava-server --help)")
       ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
+  std::string kv_dtype = "auto";
+  app.add_option("--kv-cache-dtype", kv_dtype,
+                 "decoder, policies and paper suites: auto | int8 (llava-server --help)")
+      ->check(CLI::IsMember({"auto", "int8"}))
+      ->capture_default_str();
   std::string malloc_mode = "server";
   app.add_option("--malloc", malloc_mode,
                  "server (llava-server's malloc settings, oneDNN cache and activation allocator: "
@@ -652,13 +704,14 @@ int main(int argc, char** argv) {
                                       : "malloc: glibc's defaults";
   threads = llava::InitTorchThreads(threads);
   at::manual_seed(0);
-  std::printf("cpu_path=%s detected=%s device=%s weights=%s\n%s\n",
+  std::printf("cpu_path=%s detected=%s device=%s weights=%s kv_cache_dtype=%s\n%s\n",
               llava::CpuPathName(llava::ActiveCpuPath()),
               llava::CpuPathName(llava::DetectedCpuPath()), device_name.c_str(), weights.c_str(),
-              malloc_said.c_str());
+              kv_dtype.c_str(), malloc_said.c_str());
   llava::ModelOptions options;
   options.device = device_name;
   options.weights = llava::ParseWeightFormat(weights).value();  // checked by the flag
+  options.kv_dtype = llava::ParseKvDtype(kv_dtype).value();     // checked by the flag
   at::Device device(at::kCPU);
   try {
     device = at::Device(device_name);

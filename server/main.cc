@@ -218,6 +218,14 @@ int main(int argc, char** argv) {
       ->envname(env("WEIGHTS"))
       ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
+  std::string kv_dtype = "auto";
+  app.add_option("--kv-cache-dtype", kv_dtype,
+                 "what the KV pool stores: auto (the model's dtype) | int8 (one fp32 scale per "
+                 "entry and head, CPU only: 0.52x the bytes of bf16 at head size 128; "
+                 "docs/POLICIES.md, \"int8 KV cache\")")
+      ->envname(env("KV_CACHE_DTYPE"))
+      ->check(CLI::IsMember({"auto", "int8"}))
+      ->capture_default_str();
   app.add_option("--device", device, "cpu | cuda[:i]")
       ->envname(env("DEVICE"))
       ->capture_default_str();
@@ -265,10 +273,12 @@ int main(int argc, char** argv) {
   llava::ModelOptions options;
   options.device = device;
   options.weights = llava::ParseWeightFormat(weights).value();  // checked by the flag
+  options.kv_dtype = llava::ParseKvDtype(kv_dtype).value();     // checked by the flag
   std::string dtype_why;
   llava::ResolveModelDType(dtype, model_dir, &options, &dtype_why);
   dtype = options.dtype == llava::DType::kF32 ? "f32" : "bf16";
   if (options.weights != llava::WeightFormat::kBf16) dtype += ", " + weights + " weights";
+  if (options.kv_dtype == llava::KvDtype::kInt8) dtype += ", int8 KV cache";
   std::string batch_why;
   max_batch = llava::AutoMaxBatch(max_batch, device.rfind("cuda", 0) == 0, llava::ActiveCpuPath(),
                                   options.dtype, &batch_why);

@@ -42,37 +42,48 @@ TEST(DefaultModel, AutoThreadsPickOne) {
       << why;
 }
 
+// Also with an int8 KV cache (--kv-cache-dtype int8): the same answers.
 TEST(DefaultModel, AnswersHeldOutQuestions) {
   InitTorchThreads(2);
   const std::string dir = ::llava::testing::SourceDir() + "/models/shapes-llava";
-  auto loaded = LoadModel(dir, ModelOptions{});  // bf16, as served
-  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
-  EXPECT_GE((*loaded)->model().config().image_tokens(), 100);
-  Generator gen(**loaded, EngineLimits{});
+  for (const KvDtype kv : {KvDtype::kModel, KvDtype::kInt8}) {
+    SCOPED_TRACE(KvDtypeName(kv));
+    ModelOptions options;  // bf16, as served
+    options.kv_dtype = kv;
+    auto loaded = LoadModel(dir, options);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    EXPECT_GE((*loaded)->model().config().image_tokens(), 100);
+    EXPECT_EQ((*loaded)->kv_layout().int8(), kv == KvDtype::kInt8);
+    Generator gen(**loaded, EngineLimits{});
 
-  const std::string data = ::llava::testing::SourceDir() + "/tests/data/default_model";
-  std::istringstream lines(::llava::testing::ReadFile(data + "/questions.jsonl"));
-  std::string line;
-  int questions = 0;
-  while (std::getline(lines, line)) {
-    if (line.empty()) continue;
-    const auto j = nlohmann::json::parse(line);
-    GenerationRequest req;
-    req.images = {::llava::testing::ReadFile(data + "/" + j["image"].get<std::string>())};
-    req.messages = {{"user", {{Kind::kImage, "", 0}, {Kind::kText, j["prompt"], 0}}}};
-    req.sampling.max_tokens = 96;
-    req.kv_cache.policy = CachePolicy::kFull;
-    auto r = gen.Generate(req, nullptr);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    const std::string expected = j["answer"];
-    if (j["kind"] == "describe") {
-      EXPECT_GE(RougeL(r->text, expected), 0.8) << r->text << "\nvs\n" << expected;
-    } else {
-      EXPECT_EQ(Trimmed(r->text), expected) << j["prompt"];
+    const std::string data = ::llava::testing::SourceDir() + "/tests/data/default_model";
+    std::istringstream lines(::llava::testing::ReadFile(data + "/questions.jsonl"));
+    std::string line;
+    int questions = 0;
+    while (std::getline(lines, line)) {
+      if (line.empty()) continue;
+      const auto j = nlohmann::json::parse(line);
+      GenerationRequest req;
+      req.images = {::llava::testing::ReadFile(data + "/" + j["image"].get<std::string>())};
+      req.messages = {{"user", {{Kind::kImage, "", 0}, {Kind::kText, j["prompt"], 0}}}};
+      req.sampling.max_tokens = 96;
+      req.kv_cache.policy = CachePolicy::kFull;
+      auto r = gen.Generate(req, nullptr);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      const std::string expected = j["answer"];
+      if (j["kind"] == "describe") {
+        EXPECT_GE(RougeL(r->text, expected), 0.8) << r->text << "\nvs\n" << expected;
+      } else {
+        EXPECT_EQ(Trimmed(r->text), expected) << j["prompt"];
+      }
+      if (kv == KvDtype::kInt8) {
+        EXPECT_EQ(r->kv.bytes_kept * (*loaded)->kv_layout().model_bytes_per_entry(),
+                  r->kv.full_equivalent_bytes * (*loaded)->kv_layout().bytes_per_entry());
+      }
+      ++questions;
     }
-    ++questions;
+    EXPECT_GE(questions, 8);
   }
-  EXPECT_GE(questions, 8);
 }
 
 // sampling.ignore_eos (for benchmarks): the same short question that ends after a few tokens

@@ -251,43 +251,50 @@ TEST(ElasticMerge, KeysAreAveragedOnlyWhenAsked) {
 // steps append 6 and 7 and give e1 0.1 + 0.1, e5 0.6 + 0.2, e6 0.3 + 0.3 of attention. At n = 8
 // the target is 4: e1 goes (the least attended; the sink is pinned, e7 the newest) and its value
 // is averaged into its neighbour with more attention, e5: (0.2 x 1 + 0.8 x 5) / 1.0 = 4.2.
+// With int8 entries the blend works on dequantized values and its result is quantized again:
+// rows of two equal values are exact (+-127 steps), the blend within half a step (4.2 / 254).
 TEST(ElasticDecodeMerge, TheVictimsValueGoesIntoItsMoreAttendedNeighbour) {
-  for (bool decode_merge : {false, true}) {
-    CacheParams p = Params(CachePolicy::kElastic, 0.5, 25, 1);
-    p.elastic.merge = false;  // the prompt's plan drops what it does not keep
-    p.elastic.eviction = DecodeEviction::kScored;
-    p.elastic.decode_merge = decode_merge;
-    KvPool pool(OneLayerLayout(), int64_t{1} << 20);
-    auto cache = NewPolicyKvCache(&pool, p);
-    auto rows = [](int64_t first, int64_t n) {
-      return at::arange(first, first + n, at::kFloat).view({1, n, 1}).repeat({1, 1, 2});
-    };
-    ASSERT_TRUE(cache->Reserve(6));
-    cache->Append(0, rows(0, 6), rows(0, 6));
-    cache->ObserveAttention(0, at::eye(6).unsqueeze(0));  // equal importance: earliest anchor
-    cache->OnForwardDone(6);
-    ASSERT_EQ(cache->Positions(0), (std::vector<int64_t>{0, 1, 5}));
-    const std::vector<std::vector<float>> steps = {{0.f, 0.1f, 0.6f, 0.3f},
-                                                   {0.f, 0.1f, 0.2f, 0.3f, 0.4f}};
-    for (size_t i = 0; i < steps.size(); ++i) {
-      ASSERT_TRUE(cache->Reserve(1));
-      cache->Append(0, rows(6 + i, 1), rows(6 + i, 1));
-      const auto n = static_cast<int64_t>(steps[i].size());
-      cache->ObserveAttention(0, at::tensor(steps[i]).view({1, 1, n}));
-      cache->OnForwardDone(1);
+  for (const KvDtype entries : {KvDtype::kModel, KvDtype::kInt8})
+    for (bool decode_merge : {false, true}) {
+      SCOPED_TRACE(KvDtypeName(entries));
+      CacheParams p = Params(CachePolicy::kElastic, 0.5, 25, 1);
+      p.elastic.merge = false;  // the prompt's plan drops what it does not keep
+      p.elastic.eviction = DecodeEviction::kScored;
+      p.elastic.decode_merge = decode_merge;
+      KvLayout layout = OneLayerLayout();
+      layout.entries = entries;
+      const double tol = entries == KvDtype::kInt8 ? 4.2 / 254 : 1e-5;
+      KvPool pool(layout, int64_t{1} << 20);
+      auto cache = NewPolicyKvCache(&pool, p);
+      auto rows = [](int64_t first, int64_t n) {
+        return at::arange(first, first + n, at::kFloat).view({1, n, 1}).repeat({1, 1, 2});
+      };
+      ASSERT_TRUE(cache->Reserve(6));
+      cache->Append(0, rows(0, 6), rows(0, 6));
+      cache->ObserveAttention(0, at::eye(6).unsqueeze(0));  // equal importance: earliest anchor
+      cache->OnForwardDone(6);
+      ASSERT_EQ(cache->Positions(0), (std::vector<int64_t>{0, 1, 5}));
+      const std::vector<std::vector<float>> steps = {{0.f, 0.1f, 0.6f, 0.3f},
+                                                     {0.f, 0.1f, 0.2f, 0.3f, 0.4f}};
+      for (size_t i = 0; i < steps.size(); ++i) {
+        ASSERT_TRUE(cache->Reserve(1));
+        cache->Append(0, rows(6 + i, 1), rows(6 + i, 1));
+        const auto n = static_cast<int64_t>(steps[i].size());
+        cache->ObserveAttention(0, at::tensor(steps[i]).view({1, 1, n}));
+        cache->OnForwardDone(1);
+      }
+      std::vector<int64_t> pos = cache->Positions(0);
+      const at::Tensor v = cache->Values(0);  // [1, 4, 2], in storage order
+      ASSERT_EQ(v.size(1), 4);
+      std::sort(pos.begin(), pos.end());
+      EXPECT_EQ(pos, (std::vector<int64_t>{0, 5, 6, 7}));
+      for (int64_t slot = 0; slot < 4; ++slot) {
+        const int64_t position = cache->Positions(0)[slot];
+        const float expected = position == 5 && decode_merge ? 4.2f : static_cast<float>(position);
+        EXPECT_NEAR(v[0][slot][0].item<float>(), expected, tol) << "position " << position;
+        EXPECT_NEAR(cache->Keys(0)[0][slot][0].item<float>(), position, 1e-5);  // keys stay
+      }
     }
-    std::vector<int64_t> pos = cache->Positions(0);
-    const at::Tensor v = cache->Values(0);  // [1, 4, 2], in storage order
-    ASSERT_EQ(v.size(1), 4);
-    std::sort(pos.begin(), pos.end());
-    EXPECT_EQ(pos, (std::vector<int64_t>{0, 5, 6, 7}));
-    for (int64_t slot = 0; slot < 4; ++slot) {
-      const int64_t position = cache->Positions(0)[slot];
-      const float expected = position == 5 && decode_merge ? 4.2f : static_cast<float>(position);
-      EXPECT_NEAR(v[0][slot][0].item<float>(), expected, 1e-5) << "position " << position;
-      EXPECT_NEAR(cache->Keys(0)[0][slot][0].item<float>(), position, 1e-6);  // keys stay
-    }
-  }
 }
 
 class PolicyCacheTest : public ::testing::Test {

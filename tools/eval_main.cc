@@ -297,6 +297,10 @@ int main(int argc, char** argv) {
   app.add_option("--weights", weights, "bf16 | int8 | int4 (llava-server --help)")
       ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
+  std::string kv_dtype = "auto";
+  app.add_option("--kv-cache-dtype", kv_dtype, "auto | int8 (llava-server --help)")
+      ->check(CLI::IsMember({"auto", "int8"}))
+      ->capture_default_str();
   app.add_option("--threads", threads, "intra-op threads (0 = one per core)");
   std::string device = "cpu";
   app.add_option("--device", device, "cpu | cuda[:i] (a CUDA libtorch)")->capture_default_str();
@@ -312,6 +316,7 @@ int main(int argc, char** argv) {
   llava::ModelOptions options;
   options.device = device;
   options.weights = llava::ParseWeightFormat(weights).value();  // checked by the flag
+  options.kv_dtype = llava::ParseKvDtype(kv_dtype).value();     // checked by the flag
   llava::ResolveModelDType(dtype, model_dir, &options, nullptr);
   auto loaded = llava::LoadModel(model_dir, options);
   if (!loaded.ok()) {

@@ -58,6 +58,10 @@ int main(int argc, char** argv) {
   app.add_option("--weights", weights, "bf16 | int8 | int4 (llava-server --help)")
       ->check(CLI::IsMember({"bf16", "int8", "int4"}))
       ->capture_default_str();
+  std::string kv_dtype = "auto";
+  app.add_option("--kv-cache-dtype", kv_dtype, "auto | int8 (llava-server --help)")
+      ->check(CLI::IsMember({"auto", "int8"}))
+      ->capture_default_str();
   app.add_option("--device", device, "cpu | cuda[:i]")->capture_default_str();
   app.add_option("--threads", threads,
                  "intra-op threads (0 = auto: 1 for a model of at most 16 Mi parameters, else one "
@@ -70,6 +74,7 @@ int main(int argc, char** argv) {
   llava::ModelOptions options;
   options.device = device;
   options.weights = llava::ParseWeightFormat(weights).value();  // checked by the flag
+  options.kv_dtype = llava::ParseKvDtype(kv_dtype).value();     // checked by the flag
   std::string dtype_why;
   llava::ResolveModelDType(dtype, model_dir, &options, &dtype_why);
   if (show_stats) {

@@ -22,24 +22,34 @@ namespace {
 
 inline float ToFloat(float x) { return x; }
 inline float ToFloat(uint16_t bf16) { return Bf16ToFloat(bf16); }
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+template <typename KV>
+constexpr bool kScaled = std::is_same_v<KV, int8_t>;  // rows carry a scale (int8 caches)
 
 constexpr int64_t kMaxHeadDim = 256;
 
 // One KV head of one sequence's cache as the kernels read it: rows [0, len) in pages of
 // `page_rows`, page i's first row at k + pages[i] * page_stride (v likewise), consecutive rows
-// of a page `ks` (`vs`) elements apart. An unpaged cache is one page.
+// of a page `ks` (`vs`) elements apart. An unpaged cache is one page. int8 rows: page i's row
+// scales start at ksc (vsc) + pages[i] * scale_page_stride.
 template <typename KV>
 struct HeadRows {
   const KV* k;
   const KV* v;
   const int32_t* pages;
   int64_t page_rows, page_stride, ks, vs, len;
+  const float* ksc = nullptr;
+  const float* vsc = nullptr;
+  int64_t scale_page_stride = 0;
 
   int64_t NumPages() const { return (len + page_rows - 1) / page_rows; }
   int64_t First(int64_t i) const { return i * page_rows; }  // the page's first row index
   int64_t Rows(int64_t i) const { return std::min(page_rows, len - i * page_rows); }
   const KV* K(int64_t i) const { return k + pages[i] * page_stride; }
   const KV* V(int64_t i) const { return v + pages[i] * page_stride; }
+  // Page i's row scales (int8 rows; null otherwise).
+  const float* KS(int64_t i) const { return ksc ? ksc + pages[i] * scale_page_stride : nullptr; }
+  const float* VS(int64_t i) const { return vsc ? vsc + pages[i] * scale_page_stride : nullptr; }
   // Asks for page i + 1's keys (values) while page i is read: its rows are a short run at an
   // address the hardware prefetcher cannot guess (pages are scattered over the pool).
   void PrefetchNextK(int64_t i) const { PrefetchNext(K(std::min(i + 1, NumPages() - 1)), ks, i); }
@@ -69,6 +79,10 @@ inline __attribute__((always_inline)) void Group(const float* q, int64_t g, cons
       const KV* kj = k + r * c.ks;
 #pragma omp simd
       for (int64_t d = 0; d < hd; ++d) row[d] = ToFloat(kj[d]);
+      if constexpr (kScaled<KV>) {
+        const float sr = c.KS(pg)[r];
+        for (int64_t d = 0; d < hd; ++d) row[d] *= sr;
+      }
       for (int64_t i = 0; i < g; ++i) {
         const float* qi = q + i * hd;
         float acc = 0.f;
@@ -87,6 +101,10 @@ inline __attribute__((always_inline)) void Group(const float* q, int64_t g, cons
       const KV* vj = v + r * c.vs;
 #pragma omp simd
       for (int64_t d = 0; d < hd; ++d) row[d] = ToFloat(vj[d]);
+      if constexpr (kScaled<KV>) {
+        const float sr = c.VS(pg)[r];
+        for (int64_t d = 0; d < hd; ++d) row[d] *= sr;
+      }
       for (int64_t i = 0; i < g; ++i) {
         const float pij = p[i * len + j];
         float* oi = out + i * hd;
@@ -136,20 +154,34 @@ __attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// nb rows of a cache head converted to fp32 into buf [nb, 16 * CH]. The rows of the next block
-// are prefetched: a decode step reads every cache once, from L3 or memory, in runs too short
-// for the hardware prefetcher to get ahead.
+__attribute__((target("avx512f"))) inline __m512 Load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// nb rows of a cache head converted to fp32 into buf [nb, 16 * CH] (int8 rows: times their
+// scales[r]). The rows of the next block are prefetched: a decode step reads every cache once,
+// from L3 or memory, in runs too short for the hardware prefetcher to get ahead.
 template <int CH, typename KV>
 __attribute__((target("avx512f"))) inline void ConvertBlock(const KV* src, int64_t stride,
-                                                            int64_t nb, float* buf) {
+                                                            int64_t nb, float* buf,
+                                                            const float* scales) {
   constexpr int64_t kLine = 64 / sizeof(KV), kRowElems = 16 * CH;
   for (int64_t r = 0; r < nb; ++r) {
     for (int64_t e = 0; e < kRowElems; e += kLine) {
       _mm_prefetch(reinterpret_cast<const char*>(src + (r + 16) * stride + e), _MM_HINT_T0);
     }
+    if constexpr (kScaled<KV>) {
+      const __m512 sr = _mm512_set1_ps(scales[r]);
 #pragma GCC unroll 8
-    for (int c = 0; c < CH; ++c)
-      _mm512_store_ps(buf + r * 16 * CH + 16 * c, Load16(src + r * stride + 16 * c));
+      for (int c = 0; c < CH; ++c)
+        _mm512_store_ps(buf + r * 16 * CH + 16 * c,
+                        _mm512_mul_ps(sr, Load16(src + r * stride + 16 * c)));
+    } else {
+#pragma GCC unroll 8
+      for (int c = 0; c < CH; ++c)
+        _mm512_store_ps(buf + r * 16 * CH + 16 * c, Load16(src + r * stride + 16 * c));
+    }
   }
 }
 
@@ -200,13 +232,14 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void ScoresBf16(
 // rows.
 template <int CH, typename KV>
 __attribute__((target("avx512f"))) void ScoresF32(const float* q, int64_t g, const KV* k,
-                                                  int64_t k_stride, int64_t len, int64_t p_stride,
-                                                  float scale, float* p, float* buf) {
+                                                  const float* k_scales, int64_t k_stride,
+                                                  int64_t len, int64_t p_stride, float scale,
+                                                  float* p, float* buf) {
   constexpr int64_t hd = 16 * CH;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     const int64_t nb = std::min<int64_t>(16, len - j0);
-    ConvertBlock<CH>(k + j0 * k_stride, k_stride, nb, buf);
+    ConvertBlock<CH>(k + j0 * k_stride, k_stride, nb, buf, k_scales ? k_scales + j0 : nullptr);
     for (int64_t i = 0; i < g; ++i) {
       __m512 qv[CH];
 #pragma GCC unroll 8
@@ -256,7 +289,9 @@ __attribute__((target("avx512f"))) void GroupAvx512(const float* q, const uint16
         scored = true;
       }
     }
-    if (!scored) ScoresF32<CH>(q, g, c.K(pg), c.ks, c.Rows(pg), len, scale, p + c.First(pg), buf);
+    if (!scored) {
+      ScoresF32<CH>(q, g, c.K(pg), c.KS(pg), c.ks, c.Rows(pg), len, scale, p + c.First(pg), buf);
+    }
   }
   SoftmaxRows(p, g, len);
   for (int64_t d = 0; d < g * hd; ++d) out[d] = 0.f;
@@ -266,7 +301,8 @@ __attribute__((target("avx512f"))) void GroupAvx512(const float* q, const uint16
     const int64_t rows = c.Rows(pg);
     for (int64_t j0 = 0; j0 < rows; j0 += 16) {
       const int64_t nb = std::min<int64_t>(16, rows - j0);
-      ConvertBlock<CH>(v + j0 * c.vs, c.vs, nb, buf);
+      const float* vs = c.VS(pg);
+      ConvertBlock<CH>(v + j0 * c.vs, c.vs, nb, buf, vs ? vs + j0 : nullptr);
       for (int64_t i = 0; i < g; ++i) {
         float* oi = out + i * hd;
         const float* pi = p + i * len + c.First(pg) + j0;
@@ -319,6 +355,11 @@ __attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // Lane r of the result: the sum of the 8 lanes of v[r].
 __attribute__((target("avx2,fma"))) inline __m256 SumEach8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -327,10 +368,12 @@ __attribute__((target("avx2,fma"))) inline __m256 SumEach8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// nb <= 8 rows of a cache head as fp32 into buf [8, 8 * CH]; rows from nb on are zero.
+// nb <= 8 rows of a cache head as fp32 into buf [8, 8 * CH] (int8 rows: times their
+// scales[r]); rows from nb on are zero.
 template <int CH, typename KV>
 __attribute__((target("avx2,fma"))) inline void ConvertBlock8(const KV* src, int64_t stride,
-                                                              int64_t nb, float* buf) {
+                                                              int64_t nb, float* buf,
+                                                              const float* scales) {
   constexpr int64_t kLine = 64 / sizeof(KV), kRowElems = 8 * CH;
   for (int64_t r = 0; r < 8; ++r) {
     if (r >= nb) {
@@ -341,9 +384,17 @@ __attribute__((target("avx2,fma"))) inline void ConvertBlock8(const KV* src, int
     for (int64_t e = 0; e < kRowElems; e += kLine) {
       _mm_prefetch(reinterpret_cast<const char*>(src + (r + 8) * stride + e), _MM_HINT_T0);
     }
+    if constexpr (kScaled<KV>) {
+      const __m256 sr = _mm256_set1_ps(scales[r]);
 #pragma GCC unroll 16
-    for (int c = 0; c < CH; ++c)
-      _mm256_store_ps(buf + r * 8 * CH + 8 * c, Load8(src + r * stride + 8 * c));
+      for (int c = 0; c < CH; ++c)
+        _mm256_store_ps(buf + r * 8 * CH + 8 * c,
+                        _mm256_mul_ps(sr, Load8(src + r * stride + 8 * c)));
+    } else {
+#pragma GCC unroll 16
+      for (int c = 0; c < CH; ++c)
+        _mm256_store_ps(buf + r * 8 * CH + 8 * c, Load8(src + r * stride + 8 * c));
+    }
   }
 }
 
@@ -363,7 +414,8 @@ __attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_
     const int64_t rows = c.Rows(pg), first = c.First(pg);
     for (int64_t j0 = 0; j0 < rows; j0 += 8) {
       const int64_t nb = std::min<int64_t>(8, rows - j0);
-      ConvertBlock8<CH>(k + j0 * c.ks, c.ks, nb, buf);
+      const float* ks = c.KS(pg);
+      ConvertBlock8<CH>(k + j0 * c.ks, c.ks, nb, buf, ks ? ks + j0 : nullptr);
       for (int64_t i = 0; i < g; ++i) {
         __m256 acc[8];
 #pragma GCC unroll 8
@@ -396,7 +448,8 @@ __attribute__((target("avx2,fma"))) void GroupAvx2Blocked(const float* q, int64_
     const int64_t rows = c.Rows(pg), first = c.First(pg);
     for (int64_t j0 = 0; j0 < rows; j0 += 8) {
       const int64_t nb = std::min<int64_t>(8, rows - j0);
-      ConvertBlock8<CH>(v + j0 * c.vs, c.vs, nb, buf);
+      const float* vs = c.VS(pg);
+      ConvertBlock8<CH>(v + j0 * c.vs, c.vs, nb, buf, vs ? vs + j0 : nullptr);
       for (int64_t i = 0; i < g; ++i) {
         const float* pi = p + i * len + first + j0;
         for (int c0 = 0; c0 < CH; c0 += kPart) {
@@ -597,8 +650,8 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<DecodeKv>& cac
   const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);
   TORCH_CHECK(batch > 0 && static_cast<int64_t>(caches.size()) == batch,
               "DecodeAttention: one cache per sequence");
-  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16,
-              "DecodeAttention: float or bf16 caches");
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kChar,
+              "DecodeAttention: float, bf16 or int8 caches");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "DecodeAttention: ", heads, " query heads on ",
               kv_heads, " KV heads");
   for (int64_t b = 0; b < batch; ++b) {
@@ -606,6 +659,8 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<DecodeKv>& cac
     TORCH_CHECK(c.len > 0 && c.page_rows > 0 && c.keys != nullptr && c.values != nullptr &&
                     c.pages != nullptr && c.key_row_stride >= hd && c.value_row_stride >= hd,
                 "DecodeAttention: sequence ", b, " has no entries or a malformed page table");
+    TORCH_CHECK(kv_type != at::kChar || (c.key_scales != nullptr && c.value_scales != nullptr),
+                "DecodeAttention: int8 sequence ", b, " has no scales");
   }
   const CpuPath path = ActiveCpuPath();
   const bool use_avx512 = path >= CpuPath::kAvx512;
@@ -654,6 +709,19 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<DecodeKv>& cac
                                    c.key_row_stride,
                                    c.value_row_stride,
                                    c.len};
+        RunGroup(path, hd, qh, nullptr, group, rows, scale, p, oh);
+      } else if (kv_type == at::kChar) {
+        HeadRows<int8_t> rows{static_cast<const int8_t*>(c.keys) + kv * c.key_head_stride,
+                              static_cast<const int8_t*>(c.values) + kv * c.value_head_stride,
+                              c.pages,
+                              c.page_rows,
+                              c.page_stride,
+                              c.key_row_stride,
+                              c.value_row_stride,
+                              c.len};
+        rows.ksc = c.key_scales + kv * c.scale_head_stride;
+        rows.vsc = c.value_scales + kv * c.scale_head_stride;
+        rows.scale_page_stride = c.scale_page_stride;
         RunGroup(path, hd, qh, nullptr, group, rows, scale, p, oh);
       } else {
         const HeadRows<uint16_t> rows{

@@ -30,7 +30,9 @@ at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<at::Tensor>& k
 // entry j lives in page pages[j / page_rows] at row j % page_rows; KV head h of page p starts
 // at keys + p * page_stride + h * key_head_stride elements (values likewise), and consecutive
 // rows of a page are key_row_stride (value_row_stride) >= hd elements apart, the last dimension
-// contiguous. An unpaged cache is one page of page_rows >= len.
+// contiguous. An unpaged cache is one page of page_rows >= len. An int8 cache (kv_type kChar)
+// has one fp32 scale per row, its value the scale times the stored integers: row r of page p of
+// KV head h has its key's at key_scales + p * scale_page_stride + h * scale_head_stride + r.
 struct DecodeKv {
   const void* keys = nullptr;
   const void* values = nullptr;
@@ -39,14 +41,17 @@ struct DecodeKv {
   int64_t page_stride = 0;
   int64_t key_head_stride = 0, value_head_stride = 0;
   int64_t key_row_stride = 0, value_row_stride = 0;
-  int64_t len = 0;  // > 0
+  int64_t len = 0;                    // > 0
+  const float* key_scales = nullptr;  // int8 caches only
+  const float* value_scales = nullptr;
+  int64_t scale_page_stride = 0, scale_head_stride = 0;
 };
 
-// The same attention over caches given as page tables: every cache of `kv_type` (float or
-// bf16) with `kv_heads` KV heads, H % kv_heads == 0, on q's device. The page tables are host
-// memory; for CUDA tensors (a CUDA build) they are copied to the device with the call, one copy
-// for all sequences, and one kernel launch reads every cache through them. The tensor form
-// above is this with one page per sequence.
+// The same attention over caches given as page tables: every cache of `kv_type` (float, bf16
+// or, on the CPU, int8 with scales) with `kv_heads` KV heads, H % kv_heads == 0, on q's device. The
+// page tables are host memory; for CUDA tensors (a CUDA build) they are copied to the device with
+// the call, one copy for all sequences, and one kernel launch reads every cache through them. The
+// tensor form above is this with one page per sequence.
 at::Tensor DecodeAttention(const at::Tensor& q, const std::vector<DecodeKv>& caches,
                            at::ScalarType kv_type, int64_t kv_heads,
                            const std::vector<bool>& want_probs, std::vector<at::Tensor>* probs);

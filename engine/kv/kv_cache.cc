@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <optional>
 
+#include "engine/io/aten_dtype.h"
 #include "engine/kv/kv_policy.h"
 #include "engine/kv/kv_pool.h"
 
@@ -130,7 +132,7 @@ KvStats LayerStats(const std::vector<int64_t>& lengths, const KvLayout& layout,
     s.entries_per_layer.push_back(len);
     s.bytes_kept += len * layout.bytes_per_entry();
   }
-  s.full_equivalent_bytes = tokens_seen * layout.num_layers * layout.bytes_per_entry();
+  s.full_equivalent_bytes = tokens_seen * layout.num_layers * layout.model_bytes_per_entry();
   return s;
 }
 
@@ -193,12 +195,14 @@ class PageTable {
     pages_.resize(keep);
   }
 
-  // Writes rows [Hkv, n, hd] to slots [first, first + n) of `layer`'s keys or values.
+  // Writes rows [Hkv, n, hd] to slots [first, first + n) of `layer`'s keys or values
+  // (quantized, for int8 entries).
   void Write(int layer, bool values, int64_t first, const at::Tensor& rows) {
     const int64_t n = rows.size(1), p = pool_->page_rows();
     TORCH_CHECK(first + n <= capacity(), "KV cache: ", first + n, " slots written, ", capacity(),
                 " reserved");
     TORCH_CHECK(!rows.requires_grad(), "KV cache: the pool does not take autograd tensors");
+    if (pool_->layout().int8()) return WriteInt8(layer, values, first, rows);
     const KvLayout& layout = pool_->layout();
     const at::Tensor pages = pool_->Pages(layer, values);  // [pages, Hkv, P, hd]
     const bool fast = rows.device().is_cpu() && pages.device().is_cpu() &&
@@ -228,9 +232,15 @@ class PageTable {
     }
   }
 
-  // Slots [0, len) of `layer`'s keys or values, copied out: [Hkv, len, hd].
-  at::Tensor Gather(int layer, bool values, int64_t len) const {
+  // Slots [0, len) of `layer`'s keys or values, copied out: [Hkv, len, hd] in the model's
+  // dtype, or in `type` (int8 entries: dequantized; fp32 is exact).
+  at::Tensor Gather(int layer, bool values, int64_t len,
+                    std::optional<at::ScalarType> type = std::nullopt) const {
     const KvLayout& layout = pool_->layout();
+    if (layout.int8()) {
+      const at::Tensor out = GatherInt8(layer, values, len);
+      return out.to(type.value_or(ScalarTypeOf(layout.dtype)));
+    }
     const at::Tensor pages = pool_->Pages(layer, values);
     const int64_t p = pool_->page_rows(), used = pool_->PagesFor(len);
     if (!pages.device().is_cpu()) {
@@ -274,6 +284,11 @@ class PageTable {
           std::memcpy(dst + h * pool_->head_stride() * es, src + h * pool_->head_stride() * es,
                       row);
         }
+        if (float* scales = pool_->ScaleBase(layer, values)) {
+          for (int64_t h = 0; h < layout.kv_heads; ++h) {
+            *ScaleOf(scales, to, h) = *ScaleOf(scales, from, h);
+          }
+        }
       } else {
         pages[pages_[to / p]]
             .narrow(1, to % p, 1)
@@ -285,6 +300,21 @@ class PageTable {
   // The value of slot `to` becomes (1 - share) x itself + share x slot `from`'s.
   void BlendValue(int layer, int64_t from, int64_t to, float share) {
     const int64_t p = pool_->page_rows();
+    if (pool_->layout().int8()) {
+      const KvLayout& layout = pool_->layout();
+      std::vector<float> a(layout.head_dim), b(layout.head_dim);
+      for (int64_t h = 0; h < layout.kv_heads; ++h) {
+        int8_t* dst = RowInt8(layer, true, to, h);
+        float* dst_scale = ScaleOf(pool_->ScaleBase(layer, true), to, h);
+        const int8_t* src = RowInt8(layer, true, from, h);
+        const float src_scale = *ScaleOf(pool_->ScaleBase(layer, true), from, h);
+        for (int64_t d = 0; d < layout.head_dim; ++d) {
+          a[d] = (1 - share) * (*dst_scale * dst[d]) + share * (src_scale * src[d]);
+        }
+        *dst_scale = QuantizeKvRow(a.data(), layout.head_dim, dst);
+      }
+      return;
+    }
     const at::Tensor pages = pool_->Pages(layer, /*values=*/true);
     at::Tensor dst = pages[pages_[to / p]].narrow(1, to % p, 1);
     const at::Tensor src = pages[pages_[from / p]].narrow(1, from % p, 1);
@@ -301,10 +331,56 @@ class PageTable {
     st.key_head_stride = st.value_head_stride = pool_->head_stride();
     st.row_stride = pool_->layout().head_dim;
     st.len = len;
+    st.key_scales = pool_->ScaleBase(layer, false);
+    st.value_scales = pool_->ScaleBase(layer, true);
+    st.scale_page_stride = pool_->scale_page_stride();
+    st.scale_head_stride = pool_->page_rows();
     return st;
   }
 
  private:
+  // int8 entries: slot `s`'s row of KV head h, and its scale in a layer's scales (ScaleBase).
+  int8_t* RowInt8(int layer, bool values, int64_t s, int64_t h) const {
+    const int64_t p = pool_->page_rows();
+    return static_cast<int8_t*>(pool_->Base(layer, values)) + pages_[s / p] * pool_->page_stride() +
+           h * pool_->head_stride() + (s % p) * pool_->layout().head_dim;
+  }
+  float* ScaleOf(float* scales, int64_t s, int64_t h) const {
+    const int64_t p = pool_->page_rows();
+    return scales + pages_[s / p] * pool_->scale_page_stride() + h * p + s % p;
+  }
+
+  void WriteInt8(int layer, bool values, int64_t first, const at::Tensor& rows) {
+    const KvLayout& layout = pool_->layout();
+    const at::Tensor x = rows.to(at::kFloat).contiguous();  // [Hkv, n, hd]
+    const float* src = x.data_ptr<float>();
+    float* scales = pool_->ScaleBase(layer, values);
+    const int64_t n = rows.size(1), hd = layout.head_dim;
+    for (int64_t h = 0; h < layout.kv_heads; ++h) {
+      for (int64_t i = 0; i < n; ++i) {
+        *ScaleOf(scales, first + i, h) =
+            QuantizeKvRow(src + (h * n + i) * hd, hd, RowInt8(layer, values, first + i, h));
+      }
+    }
+  }
+
+  at::Tensor GatherInt8(int layer, bool values, int64_t len) const {
+    const KvLayout& layout = pool_->layout();
+    const int64_t hd = layout.head_dim;
+    at::Tensor out = at::empty({layout.kv_heads, len, hd}, at::kFloat);
+    float* dst = out.data_ptr<float>();
+    float* scales = pool_->ScaleBase(layer, values);
+    for (int64_t h = 0; h < layout.kv_heads; ++h) {
+      for (int64_t s = 0; s < len; ++s) {
+        const int8_t* q = RowInt8(layer, values, s, h);
+        const float d = *ScaleOf(scales, s, h);
+        float* o = dst + (h * len + s) * hd;
+        for (int64_t e = 0; e < hd; ++e) o[e] = d * static_cast<float>(q[e]);
+      }
+    }
+    return out;
+  }
+
   KvPool* pool_;
   std::vector<int32_t> pages_;
 };
@@ -427,8 +503,12 @@ class PagedKvCache final : public KvCache {
     merged_ += plan.merged;
     evicted_ += plan.dropped;
     const int64_t kept = static_cast<int64_t>(plan.kept.size());
-    if (kept == t) return;                                // nothing to drop or merge
-    const at::Tensor keys = Keys(l), values = Values(l);  // [Hkv, t, hd], copies
+    if (kept == t) return;  // nothing to drop or merge
+    // [Hkv, t, hd] copies; int8 entries in fp32, so that a kept row is requantized exactly.
+    const std::optional<at::ScalarType> type =
+        layout().int8() ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
+    const at::Tensor keys = table_.Gather(l, false, t, type);
+    const at::Tensor values = table_.Gather(l, true, t, type);
     if (plan.merge_by_key && plan.merged > 0) AssignMergesByKey(keys, &plan);
     const at::Tensor index = at::tensor(plan.kept, at::kLong).to(keys.device());
     const bool merge = plan.merged > 0;

@@ -38,9 +38,11 @@ class KvPool;
 struct KvStats {
   int64_t tokens_seen = 0;  // n = prompt + generated tokens fed so far
   std::vector<int64_t> entries_per_layer;
-  int64_t bytes_kept = 0;             // sum over layers of entries x bytes_per_entry
-  int64_t bytes_allocated = 0;        // pool pages held x page bytes (0 for an unpooled cache)
-  int64_t full_equivalent_bytes = 0;  // what Full would hold: layers x n x bytes_per_entry
+  int64_t bytes_kept = 0;       // sum over layers of entries x bytes_per_entry
+  int64_t bytes_allocated = 0;  // pool pages held x page bytes (0 for an unpooled cache)
+  // What Full would hold in the model's dtype: layers x n x model_bytes_per_entry (so the
+  // saving of int8 entries counts, as the saving of fewer entries does).
+  int64_t full_equivalent_bytes = 0;
   int64_t tokens_merged = 0;
   int64_t tokens_evicted = 0;
 };
@@ -48,7 +50,10 @@ struct KvStats {
 // Where one layer's entries live, in storage order, for a kernel that reads them in place:
 // slot s is in page pages[s / page_rows] at row s % page_rows; KV head h of page p starts at
 // keys + p * page_stride + h * key_head_stride elements (values likewise); rows of a page are
-// row_stride elements apart. An unpooled cache is one page holding every row.
+// row_stride elements apart. An unpooled cache is one page holding every row. int8 entries
+// (KvLayout::int8) come with one fp32 scale per row: slot s of KV head h has its key's at
+// key_scales + p * scale_page_stride + h * scale_head_stride + s % page_rows (values likewise);
+// the scale pointers are null otherwise.
 struct KvStorage {
   const void* keys = nullptr;
   const void* values = nullptr;
@@ -56,6 +61,9 @@ struct KvStorage {
   int64_t page_rows = 0, page_stride = 0;
   int64_t key_head_stride = 0, value_head_stride = 0, row_stride = 0;
   int64_t len = 0;
+  const float* key_scales = nullptr;
+  const float* value_scales = nullptr;
+  int64_t scale_page_stride = 0, scale_head_stride = 0;
 };
 
 // What one forward pass may do to a sequence's KV (the model's view of it, SequenceChunk::kv):

@@ -6,6 +6,12 @@
 // Storage: one tensor [L, 2, pages, Hkv, P, hd] in the model's dtype (P = page_rows): page p of
 // layer l holds, for each KV head, P consecutive rows of hd values, so the decode attention
 // reads a page's rows of a head as one contiguous run, as it would read an unpaged cache.
+// With int8 entries (KvDtype::kInt8, CPU only) that tensor is int8 and a second one,
+// [L, 2, pages, Hkv, P] fp32, holds each row's scale (QuantizeKvRow below):
+// an entry costs hd + 4 bytes per head and K/V instead of 2 hd, so a pool of the same bytes has
+// 1.94x the pages at hd = 128. Entries are quantized when written and dequantized when read
+// out (Gather) or by the decode attention as it loads them; merges and blends work on the
+// dequantized fp32 values and quantize their result.
 //
 // Why pages of 16 slots rather than single slots (SGLang's token pool): the CPU decode kernels
 // work on blocks of 16 rows (8 on AVX2), which a page of 16 keeps contiguous, while a slot table
@@ -32,6 +38,10 @@ namespace llava {
 
 constexpr int64_t kKvPageRows = 16;
 
+// One row of int8 entries (an entry of one KV head): q = round(x * (1 / d)) in [-127, 127]
+// with d = max|x| / 127 in fp32 (0 for a row of zeros); x ~ d * q. Returns d.
+float QuantizeKvRow(const float* x, int64_t n, int8_t* q);
+
 class KvPool {
  public:
   // A pool of floor(bytes / page_bytes) pages (possibly none) of `page_rows` slots, a multiple
@@ -54,7 +64,8 @@ class KvPool {
   PageAllocator& pages() { return pages_; }
   const PageAllocator& pages() const { return pages_; }
 
-  // Layer `layer`'s keys (values: `values` true) in every page: [pages, Hkv, P, hd], a view.
+  // Layer `layer`'s keys (values: `values` true) in every page: [pages, Hkv, P, hd], a view
+  // (int8 for int8 entries).
   at::Tensor Pages(int layer, bool values) const;
   // The address of page 0 of `layer`'s keys (values: `values` true); pages are page_stride()
   // elements apart and the KV heads of a page head_stride() elements apart.
@@ -62,11 +73,17 @@ class KvPool {
   int64_t page_stride() const { return layout_.kv_heads * page_rows_ * layout_.head_dim; }
   int64_t head_stride() const { return page_rows_ * layout_.head_dim; }
 
+  // int8 entries: the scales of `layer`'s keys (values) in page 0, one fp32 per row; pages are
+  // scale_page_stride() apart, KV heads of a page page_rows() apart. Null otherwise.
+  float* ScaleBase(int layer, bool values) const;
+  int64_t scale_page_stride() const { return layout_.kv_heads * page_rows_; }
+
  private:
   KvLayout layout_;
   int64_t page_rows_;
   PageAllocator pages_;
   std::unique_ptr<at::Tensor> storage_;  // [L, 2, pages, Hkv, P, hd]
+  std::unique_ptr<at::Tensor> scales_;   // int8 entries: [L, 2, pages, Hkv, P] fp32
 };
 
 }  // namespace llava

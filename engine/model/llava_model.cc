@@ -399,6 +399,7 @@ KvLayout LlavaModel::kv_layout() const {
   l.head_dim = config_.text.head_dim;
   l.dtype = options_.dtype;
   l.device = options_.device;
+  l.entries = options_.kv_dtype;
   return l;
 }
 
@@ -497,6 +498,10 @@ Status LlavaModel::LoadWeights(WeightSource* reader) {
   if (options_.weights != WeightFormat::kBf16 && !at::Device(options_.device).is_cpu()) {
     return InvalidArgument(std::string("weights ") + WeightFormatName(options_.weights) +
                            " run on the CPU only (device '" + options_.device + "')");
+  }
+  if (options_.kv_dtype == KvDtype::kInt8 && !at::Device(options_.device).is_cpu()) {
+    return InvalidArgument("an int8 KV cache runs on the CPU only (device '" + options_.device +
+                           "')");
   }
   // The decoder's projections: stored quantized (llava-quantize: quantized_checkpoint.h), or
   // quantized here from fp32 when options_.weights asks for it, one layer at a time.
@@ -822,14 +827,20 @@ at::Tensor LlavaModel::AllAttention(const std::vector<SequenceChunk>& chunks,
       d.value_head_stride = st.value_head_stride;
       d.key_row_stride = d.value_row_stride = st.row_stride;
       d.len = st.len;
+      d.key_scales = st.key_scales;
+      d.value_scales = st.value_scales;
+      d.scale_page_stride = st.scale_page_stride;
+      d.scale_head_stride = st.scale_head_stride;
       stored.push_back(d);
       want[i] = kv->WantsAttentionProbs(layer);
       any_want = any_want || want[i];
     }
     const bool all = b == chunks.size();  // then rows are 0..b-1 in order
     const at::Tensor qd = all ? q : q.index_select(0, at::tensor(rows, at::kLong).to(q.device()));
+    const at::ScalarType kv_type =
+        chunks[decode_rows[0]].kv->layout().int8() ? at::kChar : k.scalar_type();
     at::Tensor out =
-        DecodeAttention(qd, stored, k.scalar_type(), k.size(1), want, any_want ? &probs : nullptr);
+        DecodeAttention(qd, stored, kv_type, k.size(1), want, any_want ? &probs : nullptr);
     for (size_t i = 0; i < b; ++i) {
       if (want[i]) chunks[decode_rows[i]].kv->ObserveAttention(layer, probs[i]);
     }

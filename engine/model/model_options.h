@@ -6,6 +6,7 @@
 
 #include "engine/io/safetensors.h"
 #include "engine/kernels/quant.h"
+#include "engine/kv/kv_layout.h"
 
 namespace llava {
 
@@ -16,6 +17,9 @@ struct ModelOptions {
   // quant.h); the output projection is int8 in both. The vision tower, projector, embeddings and
   // norms keep `dtype`.
   WeightFormat weights = WeightFormat::kBf16;
+  // What the KV cache stores (kv_layout(); engine/kv/kv_pool.h): the model's dtype, or int8
+  // entries with a scale per row (CPU only).
+  KvDtype kv_dtype = KvDtype::kModel;
 };
 
 }  // namespace llava
