@@ -281,8 +281,9 @@ TEST_F(TinyModelTest, QuantizedWeightsTrackTheF32Run) {
     const double err = Nmse(lq, l32);
     EXPECT_GT(err, 0.0) << WeightFormatName(f) << ": the weights were not quantized";
     // Random weights: int4's 16 levels per group cost this model much more than int8's 255
-    // (the trained model's cost is measured in docs/BENCHMARKS.md, "Quantized weights").
-    EXPECT_LT(err, f == WeightFormat::kInt8 ? 1e-3 : 0.3) << WeightFormatName(f);
+    // (the trained model's cost is measured in docs/BENCHMARKS.md, "Quantized weights"). An
+    // int8 prefill off oneDNN also quantizes its activations (QuantLinear), as decoding does.
+    EXPECT_LT(err, f == WeightFormat::kInt8 ? 3e-3 : 0.3) << WeightFormatName(f);
     if (f == WeightFormat::kInt8) err8 = err;
     if (f == WeightFormat::kInt4) {
       EXPECT_GT(err, err8);

@@ -139,7 +139,13 @@ at::Tensor QuantLinear(const at::Tensor& x, const PackedQuant& w, const at::Tens
   shape.back() = n;
   const at::Tensor xc = x.contiguous();
   const at::Tensor b = bias.defined() ? bias.to(x.scalar_type()).contiguous() : at::Tensor();
-  if (rows <= kStreamedMaxRows) {
+  // Without oneDNN's bf16 GEMM (the AVX2 and AVX-512 paths), an int8 prefill runs the decode's
+  // integer products too, its activations quantized as llama.cpp's Q8_0 x Q8_0: 1.29x the
+  // dequantized panels' speed on AVX2 at 7B shapes (docs/BENCHMARKS.md, "Quantized weights");
+  // int4 gained nothing there and keeps the panels, which quantize no activations.
+  const bool onednn = bf16 && CpuPathAtLeast(CpuPath::kAvx512Bf16);
+  const bool integer = !onednn && w.format == WeightFormat::kInt8 && CpuPathAtLeast(CpuPath::kAvx2);
+  if (rows <= kStreamedMaxRows || integer) {
     at::Tensor y = at::empty(shape, x.options());
     if (bf16) {
       QuantGemv(static_cast<const uint16_t*>(xc.data_ptr()), w,
@@ -153,7 +159,6 @@ at::Tensor QuantLinear(const at::Tensor& x, const PackedQuant& w, const at::Tens
   }
   // A prefill: panels of rows dequantized (at most kLinearPanelFloats values, whole tiles),
   // each multiplied by this path's GEMM (oneDNN's bf16 on AVX512-BF16, PanelLinear elsewhere).
-  const bool onednn = bf16 && CpuPathAtLeast(CpuPath::kAvx512Bf16);
   const at::Tensor x2 = xc.reshape({rows, k});
   at::Tensor y = at::empty({rows, n}, x.options());
   const int64_t panel =
