@@ -139,12 +139,15 @@ at::Tensor QuantLinear(const at::Tensor& x, const PackedQuant& w, const at::Tens
   shape.back() = n;
   const at::Tensor xc = x.contiguous();
   const at::Tensor b = bias.defined() ? bias.to(x.scalar_type()).contiguous() : at::Tensor();
-  // Without oneDNN's bf16 GEMM (the AVX2 and AVX-512 paths), an int8 prefill runs the decode's
-  // integer products too, its activations quantized as llama.cpp's Q8_0 x Q8_0: 1.29x the
-  // dequantized panels' speed on AVX2 at 7B shapes (docs/BENCHMARKS.md, "Quantized weights");
-  // int4 gained nothing there and keeps the panels, which quantize no activations.
+  // Without oneDNN's bf16 GEMM (the AVX2 and AVX-512 paths), a prefill runs the decode's
+  // integer products too, its activations quantized as llama.cpp's Q8_0 x Q8_0: int8 1.29x the
+  // dequantized panels' speed on AVX2 at 7B shapes, int4 1.8x with AVX512-VNNI
+  // (docs/BENCHMARKS.md, "Quantized weights"); int4 on AVX2 gained nothing and keeps the
+  // panels, which quantize no activations.
   const bool onednn = bf16 && CpuPathAtLeast(CpuPath::kAvx512Bf16);
-  const bool integer = !onednn && w.format == WeightFormat::kInt8 && CpuPathAtLeast(CpuPath::kAvx2);
+  const bool integer =
+      !onednn && CpuPathAtLeast(CpuPath::kAvx2) &&
+      (w.format == WeightFormat::kInt8 || (CpuPathAtLeast(CpuPath::kAvx512) && HasAvx512Vnni()));
   if (rows <= kStreamedMaxRows || integer) {
     at::Tensor y = at::empty(shape, x.options());
     if (bf16) {
