@@ -47,6 +47,11 @@ TEST(KvInt8, QuantizeKvRowRoundsToTheNearestStep) {
   std::vector<int8_t> qz(4, 9);
   EXPECT_EQ(QuantizeKvRow(zeros.data(), 4, qz.data()), 0.f);
   EXPECT_EQ(qz, std::vector<int8_t>(4, 0));
+  // A non-finite row stays non-finite when read back (scale NaN), without a UB conversion.
+  const std::vector<float> bad = {1.f, std::nanf(""), 2.f, INFINITY};
+  std::vector<int8_t> qb(4, 9);
+  EXPECT_TRUE(std::isnan(QuantizeKvRow(bad.data(), 4, qb.data())));
+  EXPECT_EQ(qb, std::vector<int8_t>(4, 0));
 }
 
 TEST(KvInt8, AnEntryCostsItsIntegersAndScalesAndThePoolHoldsMore) {

@@ -302,7 +302,7 @@ class PageTable {
     const int64_t p = pool_->page_rows();
     if (pool_->layout().int8()) {
       const KvLayout& layout = pool_->layout();
-      std::vector<float> a(layout.head_dim), b(layout.head_dim);
+      std::vector<float> a(layout.head_dim);
       for (int64_t h = 0; h < layout.kv_heads; ++h) {
         int8_t* dst = RowInt8(layer, true, to, h);
         float* dst_scale = ScaleOf(pool_->ScaleBase(layer, true), to, h);

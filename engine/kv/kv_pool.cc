@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "engine/io/aten_dtype.h"
 
@@ -12,6 +13,12 @@ namespace llava {
 float QuantizeKvRow(const float* x, int64_t n, int8_t* q) {
   float amax = 0.f;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  if (!std::isfinite(amax) || std::any_of(x, x + n, [](float v) { return std::isnan(v); })) {
+    // Non-finite activations stay non-finite (as a bf16 cache would keep them), with no
+    // undefined float-to-int conversion: integers 0, the scale NaN.
+    std::fill(q, q + n, int8_t{0});
+    return std::numeric_limits<float>::quiet_NaN();
+  }
   const float d = amax / 127.f;
   const float inv = d > 0.f ? 1.f / d : 0.f;
   for (int64_t i = 0; i < n; ++i) {

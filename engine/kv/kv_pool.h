@@ -39,7 +39,8 @@ namespace llava {
 constexpr int64_t kKvPageRows = 16;
 
 // One row of int8 entries (an entry of one KV head): q = round(x * (1 / d)) in [-127, 127]
-// with d = max|x| / 127 in fp32 (0 for a row of zeros); x ~ d * q. Returns d.
+// with d = max|x| / 127 in fp32 (0 for a row of zeros); x ~ d * q. Returns d (NaN, with
+// integers 0, for a row with a NaN or an infinity).
 float QuantizeKvRow(const float* x, int64_t n, int8_t* q);
 
 class KvPool {
