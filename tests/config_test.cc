@@ -99,6 +99,22 @@ TEST(Config, LegacyIntegerSizesInPreprocessor) {
   EXPECT_EQ(c->image_processor.shortest_edge, 336);
 }
 
+// A size that is not an integer (found by fuzz_config: it threw out of the parser) is an error
+// naming the field, as is one beyond an int.
+TEST(Config, PreprocessorSizesMustBeIntegers) {
+  for (const auto& [pre, field] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"size": {"shortest_edge": "336"}})", "size.shortest_edge"},
+           {R"({"crop_size": {"height": 1.5, "width": 336}})", "crop_size.height"},
+           {R"({"crop_size": {"height": 336, "width": [1]}})", "crop_size.width"},
+           {R"({"crop_size": 4294967296})", "crop_size"},
+           {R"({"size": {"shortest_edge": -9223372036854775808}})", "size.shortest_edge"}}) {
+    auto c = ParseLlavaConfig(kLlava15Config, pre);
+    ASSERT_FALSE(c.ok()) << pre;
+    EXPECT_NE(c.status().ToString().find(field + " must be an integer"), std::string::npos)
+        << c.status().ToString();
+  }
+}
+
 TEST(Config, ErrorsNameTheField) {
   struct Case {
     std::string json;

@@ -108,17 +108,33 @@ Status ParseVision(const json& j, const std::string& where, VisionConfig* v) {
   return Status::Ok();
 }
 
+// One size: an integer that fits an int (the caller checks its range), else an error naming
+// the field.
+Status SizeValue(const json& v, const std::string& field, int* out) {
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > INT32_MAX) ||
+      v.get<int64_t>() < INT32_MIN || v.get<int64_t>() > INT32_MAX) {
+    return InvalidArgument(field + " must be an integer");
+  }
+  *out = static_cast<int>(v.get<int64_t>());
+  return Status::Ok();
+}
+
 // Accepts both {"height": h, "width": w} / {"shortest_edge": s} and plain integers.
 Status ParseSize(const json& j, const char* key, const std::string& where, int* h, int* w,
                  int* shortest) {
   if (!j.contains(key) || j[key].is_null()) return Status::Ok();
   const json& v = j[key];
+  const std::string field = where + "." + key;
   if (v.is_number_integer()) {
-    *h = *w = *shortest = v.get<int>();
+    LLAVA_RETURN_IF_ERROR(SizeValue(v, field, shortest));
+    *h = *w = *shortest;
   } else if (v.is_object()) {
-    if (v.contains("shortest_edge")) *shortest = *h = *w = v["shortest_edge"].get<int>();
-    if (v.contains("height")) *h = v["height"].get<int>();
-    if (v.contains("width")) *w = v["width"].get<int>();
+    if (v.contains("shortest_edge")) {
+      LLAVA_RETURN_IF_ERROR(SizeValue(v["shortest_edge"], field + ".shortest_edge", shortest));
+      *h = *w = *shortest;
+    }
+    if (v.contains("height")) LLAVA_RETURN_IF_ERROR(SizeValue(v["height"], field + ".height", h));
+    if (v.contains("width")) LLAVA_RETURN_IF_ERROR(SizeValue(v["width"], field + ".width", w));
   } else {
     return InvalidArgument(where + "." + key + " must be an integer or an object");
   }
